@@ -1,0 +1,37 @@
+"""Chained block hashes: the key of a full KV block in the prefix index and in every KV tier.
+
+hash(block i) = sha256(hash(block i-1) | token ids of block i | extra keys). The extra keys hold
+the model fingerprint (model digest, dtype, KV dtype, block size, layer count) and the request's
+cache salt, so equal keys mean equal KV bytes across requests, processes and restarts. Python's
+built-in hash() is salted per process and so is not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType, Sequence
+
+BlockHash = NewType("BlockHash", bytes)
+
+ROOT = BlockHash(b"\x00" * 16)
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(extra)
+    return BlockHash(h.digest()[:16])
+
+
+def extend_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                  extra: bytes) -> None:
+    """Append the hashes of every full block of token_ids not yet in `hashes`."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else ROOT
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
+
+
+def fingerprint(*parts: object) -> bytes:
+    """Digest of the model identity, mixed into every block hash."""
+    return hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:16]

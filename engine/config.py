@@ -1,0 +1,120 @@
+"""Frozen configuration values. No I/O here: a config can be built in a test without a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, as read from a GGUF or a Hugging Face config.json."""
+
+    architecture: str
+    """Family name: llama, mistral, qwen2 or qwen3."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_layers: int
+    """Decoder blocks."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA when fewer than num_heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: dict | None = None
+    """HF-style rope_scaling dict (only rope_type 'llama3' changes the frequencies)."""
+    max_position_embeddings: int = 4096
+    """Longest context the model was trained for."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless ignore_eos is set."""
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads that share one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, elem_size: int) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.kv_size * elem_size
+
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of one token through every projection and the LM head (no attention)."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        return 2 * (self.num_layers * per_layer + h * self.vocab_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int = 2 << 30
+    """Memory for the device KV cache; the block count follows from it."""
+    num_blocks: int | None = None
+    """Exact block count; overrides kv_cache_memory_bytes when set."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained hash matches."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decodes plus prefill chunks."""
+    max_num_seqs: int = 64
+    """Requests running at once."""
+    max_model_len: int = 8192
+    """Longest prompt plus output a request may reach."""
+    policy: str = "fcfs"
+    """'fcfs' or 'priority' (lower priority value runs first, then arrival)."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0: the whole budget)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, built from flags, YAML or keyword arguments."""
+
+    model: str = "smollm2-135m"
+    """Model name (an embedded alias), a .gguf file or a Hugging Face directory."""
+    dtype: str = "float32"
+    """Compute dtype of weights and activations."""
+    kv_cache_dtype: str = "auto"
+    """KV dtype: 'auto' follows dtype."""
+    device: str = "cpu"
+    """Torch device."""
+    seed: int = 0
+    """Seed of the sampler for requests without a seed of their own."""
+    attention_backend: str | None = None
+    """Force an attention backend by name; None lets the router choose."""
+    num_threads: int | None = None
+    """Torch intra-op threads; None uses the cores available to this process."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,81 @@
+"""The offline API in vLLM's shape: LLM(model=...).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Sequence
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
+def build_config(**kwargs) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., ...)."""
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_FIELDS}
+    valid = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = set(kwargs) - valid
+    if unknown:
+        raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: "
+                        f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS)}")
+    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **kwargs):
+        self.engine = LLMEngine(build_config(model=model, **kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; n > 1 gives n outputs per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        groups: list[tuple[str, list[str]]] = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            base = str(self._next_id)
+            self._next_id += 1
+            children = []
+            for j in range(p.n):
+                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                cid = f"{base}-{j}"
+                self.engine.add_request(cid, prompt, child, priority=priority[i] if priority else 0)
+                children.append(cid)
+            groups.append((base, children))
+        done = self._run(use_tqdm)
+        results = []
+        for base, children in groups:
+            outs = [done[c] for c in children]
+            first = outs[0]
+            comps = []
+            for j, o in enumerate(outs):
+                c = o.outputs[0]
+                c.index = j
+                comps.append(c)
+            results.append(dataclasses.replace(first, request_id=base, outputs=comps))
+        return results
+
+    def _run(self, use_tqdm: bool) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        total = self.engine.scheduler.num_unfinished
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+                    if use_tqdm:
+                        print(f"\r{len(done)}/{total} requests done", end="", file=sys.stderr)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return done

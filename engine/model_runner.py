@@ -1,0 +1,140 @@
+"""Runs one scheduled step: builds the flat batch into fixed-capacity buffers, runs the model under
+the forward context, samples. Owns the model, the KV cache tensors and the attention backend."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.models import model_class
+from engine.request import RequestId
+from engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
+from engine.scheduler import SchedulerOutput
+from kernels import BatchLayout, ForwardContext, create_backend, forward_context
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepResult:
+    sampled: dict[RequestId, int]
+    logprobs: dict[RequestId, TopLogprobs]
+    prompt_logprobs: dict[RequestId, list[TopLogprobs]]
+    """Per request, logprobs of prompt tokens computed this step, in position order."""
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 num_blocks: int, max_model_len: int):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.block_size = config.cache.block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.model = self._build_model(weights)
+        self.backend = create_backend(config.attention_backend or "torch_sdpa", model_cfg.num_heads,
+                                      model_cfg.num_kv_heads, model_cfg.head_dim,
+                                      1.0 / math.sqrt(model_cfg.head_dim))
+        slots = num_blocks * self.block_size
+        self.kv_caches = [torch.zeros(2, model_cfg.num_kv_heads, slots, model_cfg.head_dim,
+                                      dtype=self.kv_dtype, device=self.device)
+                          for _ in range(model_cfg.num_layers)]
+        sc = config.scheduler
+        # Fixed-capacity host buffers; each step uses views as wide as its batch.
+        self._tokens = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
+        self._positions = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
+        self._tables = torch.zeros(sc.max_num_seqs, -(-max_model_len // self.block_size),
+                                   dtype=torch.long)
+        self.sampler = Sampler(config.seed)
+        self.eos_ids = tuple(model_cfg.eos_token_ids)
+
+    def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
+        model.load_weights(weights)
+        for p in model.parameters():  # buffers (the RoPE table) stay fp32
+            p.data = p.data.to(device=self.device, dtype=self.dtype)
+        model.to(self.device).eval()
+        model.pack_weights(batch_hint=64)
+        return model
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        layout, sample_rows = self._layout(out)
+        t = out.num_batched_tokens
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
+                             self.kv_caches)
+        with forward_context(ctx):
+            hidden = self.model(self._tokens[:t], self._positions[:t])
+        prompt_lps = self._prompt_logprobs(out, hidden, layout)
+        if not sample_rows:
+            return StepResult({}, {}, prompt_lps)
+        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows])
+        logits = self.model.compute_logits(hidden[idx])
+        reqs = [out.scheduled[i].request for i in sample_rows]
+        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
+                          self._stop_ids(r.params)) for r in reqs]
+        res = self.sampler(logits, rows)
+        sampled = {r.request_id: tok for r, tok in zip(reqs, res.token_ids)}
+        lps = {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None}
+        return StepResult(sampled, lps, prompt_lps)
+
+    def _stop_ids(self, params) -> tuple[int, ...]:
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
+
+    def _layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[int]]:
+        sched = out.scheduled
+        qlens = [s.num_new_tokens for s in sched]
+        starts = [s.start for s in sched]
+        qstart = [0, *np.cumsum(qlens).tolist()]
+        t = qstart[-1]
+        tokens: list[int] = []
+        for s in sched:
+            tokens.extend(s.request.token_slice(s.start, s.start + s.num_new_tokens))
+        self._tokens[:t] = torch.tensor(tokens, dtype=torch.long)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(sched)), torch.tensor(qlens))
+        pos = torch.arange(t) - torch.tensor(qstart[:-1])[seq_of_token] + torch.tensor(starts)[seq_of_token]
+        self._positions[:t] = pos
+        width = max(len(s.block_ids) for s in sched)
+        tables = self._tables[:len(sched), :width]
+        tables.zero_()
+        for i, s in enumerate(sched):
+            tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        bs = self.block_size
+        slots = tables[seq_of_token, pos // bs] * bs + pos % bs
+        num_decodes = next((i for i, q in enumerate(qlens) if q != 1), len(qlens))
+        layout = BatchLayout(num_decodes, qlens, [a + b for a, b in zip(starts, qlens)], qstart,
+                             tables, slots, bs)
+        return layout, [i for i, s in enumerate(sched) if s.samples]
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         layout: BatchLayout) -> dict[RequestId, list[TopLogprobs]]:
+        res: dict[RequestId, list[TopLogprobs]] = {}
+        for i, s in enumerate(out.scheduled):
+            r = s.request
+            n = r.params.prompt_logprobs
+            end = min(s.start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if n is None or s.start >= end:
+                continue
+            # hidden at position p predicts token p + 1
+            rows = hidden[layout.query_start[i]:layout.query_start[i] + end - s.start]
+            lp = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            nxt = torch.tensor(r.prompt_token_ids[s.start + 1:end + 1])
+            res[r.request_id] = gather_logprobs(lp, nxt, [n] * len(nxt))
+        return res
+

@@ -1,0 +1,121 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat batch of tokens.
+
+Tokens of many requests are concatenated (no padding): x is [T, hidden]. Attention reaches the
+paged KV cache and the step's metadata through the forward context (kernels.context).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from kernels.context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        ctx = get_forward_context()
+        cache = ctx.kv_caches[self.layer]
+        ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
+        return self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                               max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only for the rows that are sampled: [N, hidden] -> [N, vocab] fp32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.weight"]
+                                                  for n in "qkv"]))
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.bias"]
+                                                    for n in "qkv"]))
+            attn.o_proj.weight.copy_(weights[p + "self_attn.o_proj.weight"])
+            if attn.q_norm is not None:
+                attn.q_norm.weight.copy_(weights[p + "self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(weights[p + "self_attn.k_norm.weight"])
+            layer.mlp.gate_up_proj.weight.copy_(torch.cat([weights[p + "mlp.gate_proj.weight"],
+                                                           weights[p + "mlp.up_proj.weight"]]))
+            layer.mlp.down_proj.weight.copy_(weights[p + "mlp.down_proj.weight"])
+            layer.input_layernorm.weight.copy_(weights[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(weights[p + "post_attention_layernorm.weight"])
+        self.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
+        self.norm.weight.copy_(weights["model.norm.weight"])
+        if "rope_freqs.weight" in weights:  # Llama 3.1 GGUFs carry the scaled frequencies' divisors
+            rope = self.layers[0].self_attn.rope
+            rope.build(rope_inv_freq(self.config.head_dim, self.config.rope_theta, None)
+                       / weights["rope_freqs.weight"], rope.cos.shape[0])
+        head = weights.get("lm_head.weight")
+        self.lm_head.weight.copy_(head if head is not None and not self.config.tie_word_embeddings
+                                  else weights["model.embed_tokens.weight"])
+
+    def pack_weights(self, batch_hint: int) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack(batch_hint)

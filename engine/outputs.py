@@ -1,0 +1,35 @@
+"""What the engine returns, in vLLM's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TopLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TopLogprobs] | None
+    finish_reason: str | None = None
+    """'stop', 'length', 'abort' or None while running."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the output (None for EOS or length)."""
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,74 @@
+"""The state of one request (one sequence) inside the engine. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+from engine.block_hash import BlockHash
+from engine.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"
+    """Waiting for KV blocks to arrive from a slower tier; other requests run meanwhile."""
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. Invariant: num_computed_tokens <= num_tokens; a sample is drawn when the
+    step brings num_computed_tokens up to num_tokens."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Output-token limit after applying the context length."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of the full blocks of all_token_ids, extended as tokens arrive."""
+    num_published_blocks: int = 0
+    """Leading blocks already in the prefix index (or taken from it)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, validated at construction (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A sampling parameter out of range. `param` names the field, for an API error body."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1) keeps every token."""
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    """None: up to the model's context."""
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    """Top-N alternatives per sampled token (0: only the sampled token's logprob)."""
+    prompt_logprobs: int | None = None
+    """Top-N alternatives per prompt token."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        checks = [
+            ("n", self.n >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be -1, 0 or a positive integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be at least 0"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "must be in [0, 20]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed "
+                             f"max_tokens ({self.max_tokens})")
+        for b in (self.logit_bias or {}).values():
+            if not -100.0 <= b <= 100.0:
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {b}")
+        if any(not s for s in self.stop):
+            raise ParamError("stop", "stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -1,0 +1,201 @@
+"""Token-budget continuous batching over the block pool. Plain Python, no torch.
+
+Every step each running request's computed-token count catches up with its token count, within
+`max_num_batched_tokens`: a decode is a request one token behind, a prefill chunk is a request
+many tokens behind, and both share the step. Requests that run out of blocks preempt the
+lowest-ranked running request (its blocks are freed and it is recomputed later, mostly from the
+prefix cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from engine.block_hash import extend_hashes
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestId, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int
+    """Position of the first token computed this step (the request's computed count before)."""
+    num_new_tokens: int
+    """Tokens computed this step, at positions start .. start + num_new_tokens - 1."""
+    block_ids: tuple[int, ...]
+    """Block table covering every position up to start + num_new_tokens."""
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the request's last token, so a next token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs. Decodes come first, in running order, then prefill chunks."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted: tuple[RequestId, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: Callable[[Request], bytes]):
+        self.config = config
+        self.pool = pool
+        self.hash_extra = hash_extra
+        """Extra bytes mixed into a request's block hashes (model fingerprint + cache salt)."""
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[RequestId, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        extend_hashes(req.block_hashes, req.prompt_token_ids, self.pool.block_size,
+                      self.hash_extra(req))
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, ids: Iterable[RequestId], status: RequestStatus) -> list[Request]:
+        """Finish (or abort) requests in any state; their blocks return to the pool."""
+        done = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._release(req)
+            req.status = status
+            done.append(req)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[RequestId] = []
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            n = self._chunk(req, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = self.running[-1]  # lowest ranked; never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._entry(req, n))
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return SchedulerOutput(tuple(scheduled), self.config.max_num_batched_tokens - budget,
+                               tuple(preempted))
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting()
+            if not req.block_ids:
+                self._match_prefix(req)
+            n = self._chunk(req, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                self._release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append(self._entry(req, n))
+            budget -= n
+        return budget
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, n, tuple(req.block_ids))
+
+    def _match_prefix(self, req: Request) -> None:
+        """Take the leading cached blocks; at least the last token is always recomputed."""
+        bs = self.pool.block_size
+        usable = req.block_hashes[:(req.num_tokens - 1) // bs]
+        hit = self.pool.match_prefix(usable, req.all_token_ids)
+        self.pool.touch(hit)
+        req.block_ids = list(hit)
+        req.num_published_blocks = len(hit)
+        req.num_computed_tokens = len(hit) * bs
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.pool.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        req.block_ids.extend(new)
+        return True
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    # ---- after the model ran ---------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
+        """Advance computed counts, append sampled tokens, publish newly full blocks."""
+        bs = self.pool.block_size
+        for s in output.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            tok = sampled.get(req.request_id)
+            if tok is not None:
+                req.output_token_ids.append(tok)
+            full = req.num_computed_tokens // bs
+            if full > req.num_published_blocks:
+                tokens = req.all_token_ids
+                extend_hashes(req.block_hashes, tokens, bs, self.hash_extra(req))
+                for i in range(req.num_published_blocks, full):
+                    self.pool.publish(req.block_ids[i], req.block_hashes[i],
+                                      tokens[i * bs:(i + 1) * bs])
+                req.num_published_blocks = full

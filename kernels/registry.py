@@ -1,0 +1,24 @@
+"""Attention backends by name, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from kernels.base import AttentionBackend
+
+BACKENDS: dict[str, str] = {
+    "torch_sdpa": "kernels.torch_sdpa:TorchSdpaBackend",
+    "torch_ref": "kernels.torch_ref:TorchRefBackend",
+}
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (valid: {', '.join(BACKENDS)})")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                   scale: float) -> AttentionBackend:
+    return backend_class(name)(num_heads, num_kv_heads, head_dim, scale)

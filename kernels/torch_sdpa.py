@@ -1,0 +1,117 @@
+"""torch scaled_dot_product_attention over the paged cache (CPU and CUDA).
+
+Decodes run as one batched GQA matmul over a gather of every decode's KV padded to the longest
+context; prefill chunks run one SDPA call each (a fresh prompt attends to its own K/V directly,
+a chunk after cached tokens gathers its context and uses a bottom-right causal mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.base import AttentionBackend, BatchLayout, Capabilities
+
+
+@dataclass
+class DecodeMeta:
+    batch: int
+    width: int
+    """Padded context length of the gather."""
+    slots: torch.Tensor
+    """[batch * width] slot ids (padding reads slot 0 and is masked)."""
+    bias: torch.Tensor
+    """[Hkv * batch, 1, width]: 0 for real keys, -inf for padding."""
+
+
+@dataclass
+class PrefillMeta:
+    q0: int
+    q1: int
+    slots: torch.Tensor | None
+    """Context slots to gather; None when the chunk is the whole context (a fresh prompt)."""
+    mask: torch.Tensor | None
+    """[q_len, ctx] bool, bottom-right causal; None with slots None (is_causal)."""
+
+
+@dataclass
+class SdpaMeta:
+    decode: DecodeMeta | None
+    prefills: list[PrefillMeta]
+
+
+def context_slots(layout: BatchLayout, seq: int, n: int) -> torch.Tensor:
+    pos = torch.arange(n)
+    return layout.block_tables[seq, pos // layout.block_size] * layout.block_size + pos % layout.block_size
+
+
+def causal_mask(q_len: int, ctx: int) -> torch.Tensor:
+    return torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+
+
+class TorchSdpaBackend(AttentionBackend):
+    name = "torch_sdpa"
+    capabilities = Capabilities(
+        device_types=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        kv_dtypes=("auto", "float32", "float16", "bfloat16"),
+    )
+
+    def build_metadata(self, layout: BatchLayout) -> SdpaMeta:
+        decode = self._decode_meta(layout) if layout.num_decodes else None
+        prefills = []
+        for s in range(layout.num_decodes, layout.num_seqs):
+            q0, ql, ctx = layout.query_start[s], layout.query_lens[s], layout.context_lens[s]
+            if ql == ctx:
+                prefills.append(PrefillMeta(q0, q0 + ql, None, None))
+            else:
+                prefills.append(PrefillMeta(q0, q0 + ql, context_slots(layout, s, ctx),
+                                            causal_mask(ql, ctx)))
+        return SdpaMeta(decode, prefills)
+
+    def _decode_meta(self, layout: BatchLayout) -> DecodeMeta:
+        b = layout.num_decodes
+        lens = torch.tensor(layout.context_lens[:b])
+        width = int(lens.max())
+        pos = torch.arange(width)
+        tables = layout.block_tables[:b]
+        slots = tables[:, pos // layout.block_size] * layout.block_size + pos % layout.block_size
+        pad = pos[None, :] >= lens[:, None]
+        slots = slots.masked_fill(pad, 0).reshape(-1)
+        bias = torch.zeros(b, width).masked_fill_(pad, float("-inf"))
+        bias = bias.unsqueeze(1).repeat(self.num_kv_heads, 1, 1)
+        return DecodeMeta(b, width, slots, bias)
+
+    def forward(self, q, k, v, kv_cache, meta: SdpaMeta):
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if meta.decode is not None:
+            out[:meta.decode.batch] = self._decode(q, kv_cache, meta.decode)
+        for p in meta.prefills:
+            out[p.q0:p.q1] = self._prefill(q, k, v, kv_cache, p)
+        return out
+
+    def _decode(self, q, kv_cache, m: DecodeMeta):
+        hkv, d, b = self.num_kv_heads, self.head_dim, m.batch
+        g = self.num_heads // hkv
+        kg = kv_cache[0].index_select(1, m.slots).view(hkv * b, m.width, d).to(q.dtype)
+        vg = kv_cache[1].index_select(1, m.slots).view(hkv * b, m.width, d).to(q.dtype)
+        qd = q[:b].view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)
+        scores = torch.baddbmm(m.bias.to(q.dtype), qd, kg.transpose(1, 2), alpha=self.scale)
+        o = torch.bmm(torch.softmax(scores, dim=-1), vg)
+        return o.view(hkv, b, g, d).transpose(0, 1).reshape(b, hkv * g * d)
+
+    def _prefill(self, q, k, v, kv_cache, p: PrefillMeta):
+        qq = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
+        if p.slots is None:
+            kk = k[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
+            vv = v[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            kk = kv_cache[0].index_select(1, p.slots).unsqueeze(0).to(q.dtype)
+            vv = kv_cache[1].index_select(1, p.slots).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=p.mask, scale=self.scale,
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(p.q1 - p.q0, -1)
