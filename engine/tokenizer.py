@@ -36,7 +36,9 @@ class TextTokenizer:
             self._template = env.from_string(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # A tokenizer.json may add BOS in its post-processor (Llama 3); a GGUF-built one has none
+        # and says so with add_bos instead. The check below keeps BOS from doubling.
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

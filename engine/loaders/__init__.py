@@ -22,6 +22,12 @@ class ModelLoadError(Exception):
     """A model that cannot be loaded; the message is one line a user can act on."""
 
 
+def one_line(e: BaseException) -> str:
+    """An underlying library's exception as a short single line, for a ModelLoadError message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
 @dataclass
 class ModelSource:
     config: ModelConfig

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loaders import ModelLoadError, ModelSource, file_digest
-from engine.tokenizer import from_gguf_fields
+from engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from engine.loaders.validate import check_weights
+from engine.tokenizer import TokenizerInfo, from_gguf_fields
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -46,38 +48,69 @@ def load_gguf(path: str) -> ModelSource:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct errors on truncated files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({one_line(e)})") from None
+    _check_size(path, reader)
     fields = {k: _field(f) for k, f in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    config = _config(fields, arch)
+    config = _config(path, fields, arch)
     weights = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None:
-            continue
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
-                                 f"which the gguf package cannot dequantize") from None
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
-        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            arr = unpermute_rope(arr, heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(arr))
+        if name is not None:
+            weights[name] = _tensor(path, t, name, config)
     config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in weights)
-    _check_complete(path, config, weights)
-    tok = from_gguf_fields(
-        fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.token_type") or [],
-        fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.model"),
-        fields.get("tokenizer.ggml.pre"), fields.get("tokenizer.ggml.bos_token_id"),
-        fields.get("tokenizer.ggml.eos_token_id"),
-        bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-        fields.get("tokenizer.chat_template"))
-    return ModelSource(config, weights, tok, file_digest([path]), path)
+    check_weights(path, config, weights)
+    return ModelSource(config, weights, _tokenizer(path, fields), file_digest([path]), path)
+
+
+def _check_size(path: str, reader) -> None:
+    """GGUFReader memory-maps the file and does not notice tensor data cut short."""
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    size = os.path.getsize(path)
+    if end > size:
+        raise ModelLoadError(f"{path}: truncated GGUF file ({size} bytes, its tensors need {end})")
+
+
+def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:
+    import gguf
+
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+    except NotImplementedError:
+        raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
+                             f"which the gguf package cannot dequantize") from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) is unreadable "
+                             f"({one_line(e)})") from None
+    if config.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+        if arr.ndim != 2 or arr.shape[0] % (2 * heads):
+            raise ModelLoadError(f"{path}: tensor {t.name} has shape {arr.shape}, "
+                                 f"not {heads} heads of an even width")
+        arr = unpermute_rope(arr, heads)
+    if not arr.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+        arr = arr.copy()
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _tokenizer(path: str, fields: dict) -> TokenizerInfo:
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
+    try:
+        return from_gguf_fields(
+            tokens, fields.get("tokenizer.ggml.token_type") or [],
+            fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.model"),
+            fields.get("tokenizer.ggml.pre"), fields.get("tokenizer.ggml.bos_token_id"),
+            fields.get("tokenizer.ggml.eos_token_id"),
+            bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            fields.get("tokenizer.chat_template"))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: unusable tokenizer metadata ({one_line(e)})") from None
 
 
 def _field(f):
@@ -87,7 +120,12 @@ def _field(f):
         return None
 
 
-def _config(fields: dict, arch: str) -> ModelConfig:
+def _config(path: str, fields: dict, arch: str) -> ModelConfig:
+    need = [f"{arch}.{k}" for k in ("attention.head_count", "embedding_length",
+                                     "feed_forward_length", "block_count")]
+    missing = [k for k in need if not isinstance(fields.get(k), (int, np.integer))]
+    if missing:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
     g = lambda k, d=None: fields.get(f"{arch}.{k}", d)
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -113,13 +151,3 @@ def _config(fields: dict, arch: str) -> ModelConfig:
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
     )
-
-
-def _check_complete(path: str, config: ModelConfig, weights: dict) -> None:
-    need = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{p}.weight" for i in range(config.num_layers)
-        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise ModelLoadError(f"{path}: {len(missing)} tensors missing (first: {missing[0]})")

@@ -9,7 +9,8 @@ import os
 import torch
 
 from engine.config import ModelConfig
-from engine.loaders import ModelLoadError, ModelSource, file_digest
+from engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from engine.loaders.validate import check_weights
 from engine.tokenizer import TokenizerInfo
 
 ARCHITECTURES = {
@@ -24,19 +25,25 @@ def load_hf_dir(path: str) -> ModelSource:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from None
+    raw = _read_json(cfg_path)
     config = hf_config(raw, cfg_path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     weights = _read_safetensors(files)
-    if "lm_head.weight" not in weights and not config.tie_word_embeddings:
-        raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
-    return ModelSource(config, weights, _tokenizer(path, raw), file_digest(files), path)
+    check_weights(path, config, weights)
+    return ModelSource(config, weights, _tokenizer(path), file_digest(files), path)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: unreadable JSON ({one_line(e)})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def hf_config(raw: dict, where: str) -> ModelConfig:
@@ -45,9 +52,14 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
     if arch is None:
         raise ModelLoadError(f"{where}: architectures {archs} not supported "
                              f"(supported: {', '.join(ARCHITECTURES)})")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if not isinstance(raw.get(k), int)]
+    if missing:
+        raise ModelLoadError(f"{where}: missing or non-integer {', '.join(missing)}")
     heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    theta, scaling = _rope(raw)
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -58,10 +70,11 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get("rope_theta", 10000.0),
-        rope_scaling=raw.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        # Qwen2 always has q/k/v biases and its config.json does not say so.
         attention_bias=raw.get("attention_bias", arch == "qwen2"),
         qk_norm=arch == "qwen3",
         bos_token_id=raw.get("bos_token_id"),
@@ -69,33 +82,45 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
     )
 
 
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(theta, scaling). transformers 5 writes both into rope_parameters; 4.x wrote rope_theta and
+    rope_scaling at the top level."""
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default"
+                                          else None)
+    return theta, scaling
+
+
 def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             weights.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"{f}: unreadable safetensors file ({e})") from None
+        except Exception as e:  # SafetensorError, OSError, ValueError, a truncated header...
+            raise ModelLoadError(f"{f}: unreadable safetensors file ({one_line(e)})") from None
     return {k: v.float() for k, v in weights.items()}
 
 
-def _tokenizer(path: str, raw: dict) -> TokenizerInfo:
+def _tokenizer(path: str) -> TokenizerInfo:
     from tokenizers import Tokenizer
 
     tj = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tj):
         raise ModelLoadError(f"{path}: no tokenizer.json")
-    tok = Tokenizer.from_file(tj)
-    tc: dict = {}
+    try:
+        tok = Tokenizer.from_file(tj)
+    except Exception as e:
+        raise ModelLoadError(f"{tj}: unreadable tokenizer ({one_line(e)})") from None
     tc_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(tc_path):
-        with open(tc_path) as f:
-            tc = json.load(f)
+    tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
     name = lambda v: v.get("content") if isinstance(v, dict) else v
     template = tc.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
     jinja = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(jinja):
         with open(jinja) as f:

@@ -1,0 +1,48 @@
+"""Check that loaded tensors are the ones the config asks for, before the model copies them in.
+
+A missing or misshapen tensor otherwise surfaces as a KeyError or a shape RuntimeError deep in
+load_weights; here it becomes one line naming the tensor and the file."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loaders import ModelLoadError
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the Llama-family model reads."""
+    h, i = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (c.q_size, h), p + "self_attn.k_proj.weight": (c.kv_size, h),
+            p + "self_attn.v_proj.weight": (c.kv_size, h), p + "self_attn.o_proj.weight": (h, c.q_size),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i)})
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (c.q_size,),
+                           p + "self_attn.k_proj.bias": (c.kv_size,),
+                           p + "self_attn.v_proj.bias": (c.kv_size,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
+                           p + "self_attn.k_norm.weight": (c.head_dim,)})
+    return shapes
+
+
+def check_weights(where: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    shapes = expected_shapes(config)
+    missing = [n for n in shapes if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{where}: {len(missing)} tensor(s) missing for {config.architecture} "
+                             f"with {config.num_layers} layers (first: {missing[0]})")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                 f"the config implies {shape}")

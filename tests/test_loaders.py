@@ -1,0 +1,378 @@
+"""Model loading: tiny random HF checkpoints and GGUFs written here give HF's greedy tokens; bad
+inputs give one-line ModelLoadErrors. No downloads: the only real weights are the embedded GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loaders import ModelLoadError, ModelSource, load_model_source
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+NEW_TOKENS = 20
+PROMPTS = ["The quick brown fox", "def fib(n):\n    return", "Paris is the capital of",
+           "1, 2, 3, 5, 8,"]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1,
+            eos_token_id=2, rms_norm_eps=1e-6)
+ENGINE = dict(kv_cache_memory_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=128,
+              block_size=16, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def embedded() -> ModelSource:
+    return load_model_source("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(embedded, tmp_path_factory) -> Path:
+    """tokenizer.json + tokenizer_config.json built from the embedded GGUF's tokenizer."""
+    d = tmp_path_factory.mktemp("tok")
+    info = embedded.tokenizer
+    info.tokenizer.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": info.chat_template, "eos_token": info.eos_token,
+        "bos_token": info.bos_token, "add_bos_token": False}))
+    return d
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that greedy decoding does not settle on one token."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.5 if "embed" in name else 1.2 / p.shape[1] ** 0.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            else:  # RMSNorm weights (also Qwen3's q/k norms)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+
+
+def _hf_model(config_cls, seed: int, **kw):
+    config = config_cls(vocab_size=49152, **{**TINY, **kw})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def _save_hf(model, tokenizer_dir: Path, out: Path) -> Path:
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def _hf_greedy(model, prompts_ids: list[list[int]]) -> list[list[int]]:
+    outs = []
+    for ids in prompts_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def _our_greedy(llm: LLM, prompts) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def _assert_varied(seqs: list[list[int]]) -> None:
+    """A random model that repeats one token would make the comparison meaningless."""
+    assert all(len(set(s)) >= 2 for s in seqs), seqs
+    assert len({t for s in seqs for t in s}) >= 12, seqs
+
+
+HF_CASES = {
+    "llama-untied-llama3-rope": (transformers.LlamaConfig, dict(
+        tie_word_embeddings=False, rope_theta=50000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "mistral-tied": (transformers.MistralConfig, dict(tie_word_embeddings=True)),
+    "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
+    "qwen3-qk-norm": (transformers.Qwen3Config, dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path):
+    config_cls, kw = HF_CASES[case]
+    model = _hf_model(config_cls, seed=len(case), **kw)
+    path = _save_hf(model, tokenizer_files, tmp_path / case)
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    prompt_ids = [hf_tok(p, add_special_tokens=True)["input_ids"] for p in PROMPTS]
+    expected = _hf_greedy(model, prompt_ids)
+    _assert_varied(expected)
+
+    llm = LLM(model=str(path), **ENGINE)
+    assert [llm.get_tokenizer().encode(p) for p in PROMPTS] == prompt_ids
+    assert _our_greedy(llm, PROMPTS) == expected  # strings, one batch
+    assert _our_greedy(llm, prompt_ids[1]) == expected[1:2]  # token ids, alone
+
+
+def test_hf_dir_config_fields(tokenizer_files, tmp_path):
+    config_cls, kw = HF_CASES["llama-untied-llama3-rope"]
+    path = _save_hf(_hf_model(config_cls, 0, **kw), tokenizer_files, tmp_path / "m")
+    cfg = load_model_source(str(path)).config
+    assert (cfg.architecture, cfg.rope_theta, cfg.tie_word_embeddings) == ("llama", 50000.0, False)
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_hf_dir_chat_template_matches_transformers(tokenizer_files, tmp_path):
+    path = _save_hf(_hf_model(transformers.Qwen3Config, 0, tie_word_embeddings=True),
+                    tokenizer_files, tmp_path / "m")
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    ours = LLM(model=str(path), **ENGINE).get_tokenizer()
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "2+2?"}]
+    assert ours.apply_chat_template(chat) == hf_tok.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+
+
+# --- GGUF written here: llama.cpp's q/k row permutation must be undone ---------------------------
+
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(hf: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_GGUF_LAYER[part]}.{kind}"
+    return f"{_GGUF_TOP[base]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py reordering of q/k rows."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _copy_tokenizer_metadata(writer, embedded_path: str) -> None:
+    r = gguf.GGUFReader(embedded_path)
+    c = lambda k: r.fields[k].contents()
+    writer.add_tokenizer_model(c("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(c("tokenizer.ggml.pre"))
+    writer.add_token_list(c("tokenizer.ggml.tokens"))
+    writer.add_token_types(c("tokenizer.ggml.token_type"))
+    writer.add_token_merges(c("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(c("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(c("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(c("tokenizer.chat_template"))
+
+
+def _write_llama_gguf(model, path: Path, embedded_path: str, q8: set[str] = frozenset(),
+                      q8_1: str | None = None) -> None:
+    """Writes model as arch 'llama'. Tensors whose HF name contains a string in q8 become Q8_0,
+    and the model's own copy becomes their Q8_0 round trip, so HF sees what the GGUF holds.
+    The tensor named q8_1 is written as zeros of type Q8_1, which gguf cannot dequantize."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    _copy_tokenizer_metadata(w, embedded_path)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(
+            name.split(".")[-2])
+        arr = t.detach().float().numpy()
+        arr = _permute(arr, heads) if heads else arr
+        if name == q8_1:
+            qt = gguf.GGMLQuantizationType.Q8_1  # 32 values in 40 bytes
+            w.add_tensor(_gguf_name(name), np.zeros((arr.shape[0], arr.shape[1] // 32 * 40),
+                                                    np.uint8), raw_dtype=qt)
+        elif any(s in name for s in q8):
+            qt = gguf.GGMLQuantizationType.Q8_0
+            packed = gguf.quants.quantize(arr, qt)
+            w.add_tensor(_gguf_name(name), packed, raw_dtype=qt)
+            # Q8_0 quantizes along rows, so it commutes with the row permutation.
+            deq = gguf.quants.dequantize(packed, qt).reshape(arr.shape)
+            t.copy_(torch.from_numpy(_unpermute(deq, heads) if heads else deq))
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def test_gguf_llama_unpermuted_matches_transformers(embedded, tmp_path):
+    model = _hf_model(transformers.LlamaConfig, seed=7, tie_word_embeddings=False)
+    path = tmp_path / "tiny-llama.gguf"
+    _write_llama_gguf(model, path, embedded.path, q8={"mlp.", "layers.1.self_attn.q_proj",
+                                                      "layers.0.self_attn.k_proj", "lm_head"})
+    llm = LLM(model=str(path), **ENGINE)
+    prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    expected = _hf_greedy(model, prompt_ids)
+    _assert_varied(expected)
+    assert _our_greedy(llm, PROMPTS) == expected
+
+
+def test_gguf_q_k_rows_come_back_in_hf_order(embedded, tmp_path):
+    """The permutation is not the identity for these shapes, so the test above exercises it."""
+    src_model = _hf_model(transformers.LlamaConfig, seed=7, tie_word_embeddings=False)
+    path = tmp_path / "tiny-llama.gguf"
+    _write_llama_gguf(src_model, path, embedded.path, q8=set())
+    src = load_model_source(str(path))
+    ref = src_model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert not np.array_equal(_permute(ref.numpy(), 4), ref.numpy())
+    assert torch.equal(src.weights["model.layers.0.self_attn.q_proj.weight"], ref)
+    assert torch.equal(src.weights["model.layers.0.self_attn.v_proj.weight"],
+                       src_model.state_dict()["model.layers.0.self_attn.v_proj.weight"])
+
+
+# --- the embedded model --------------------------------------------------------------------------
+
+def test_embedded_smollm2_shape(embedded):
+    c = embedded.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == \
+        ("llama", 30, 9, 3, 64)
+    assert c.tie_word_embeddings and "lm_head.weight" not in embedded.weights
+    assert c.vocab_size == 49152 and embedded.tokenizer.chat_template
+
+
+# --- errors: one line that names the problem -----------------------------------------------------
+
+def _load_error(name: str) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        load_model_source(name)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg
+
+
+def test_wrong_path():
+    assert "not found" in _load_error("/nonexistent/model.gguf")
+
+
+def test_llm_with_unknown_model_raises_model_load_error():
+    with pytest.raises(ModelLoadError, match="nope"):
+        LLM(model="nope")
+
+
+@pytest.mark.parametrize("keep", [1 << 20, 40 << 20])
+def test_truncated_gguf(embedded, tmp_path, keep):
+    """Cut inside the metadata (1 MiB) and inside the tensor data (40 MiB)."""
+    path = tmp_path / "cut.gguf"
+    with open(embedded.path, "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read(keep))
+    assert "truncated" in _load_error(str(path))
+
+
+def _tiny_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]]) -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = _tiny_gguf(tmp_path / "f.gguf", "falcon",
+                      {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    msg = _load_error(str(path))
+    assert "'falcon'" in msg and "llama" in msg
+
+
+def test_gguf_tensor_type_gguf_cannot_dequantize(embedded, tmp_path):
+    model = _hf_model(transformers.LlamaConfig, seed=1, tie_word_embeddings=False)
+    path = tmp_path / "q81.gguf"
+    _write_llama_gguf(model, path, embedded.path, q8_1="model.layers.0.mlp.down_proj.weight")
+    msg = _load_error(str(path))
+    assert "Q8_1" in msg and "blk.0.ffn_down.weight" in msg
+
+
+@pytest.fixture()
+def hf_dir(tokenizer_files, tmp_path) -> Path:
+    model = _hf_model(transformers.LlamaConfig, seed=3, tie_word_embeddings=True)
+    return _save_hf(model, tokenizer_files, tmp_path / "hf")
+
+
+def test_hf_unsupported_architecture(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(str(hf_dir))
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg
+
+
+def test_hf_missing_safetensors(hf_dir):
+    for f in hf_dir.glob("*.safetensors"):
+        f.unlink()
+    assert "safetensors" in _load_error(str(hf_dir))
+
+
+def test_hf_missing_config(hf_dir):
+    (hf_dir / "config.json").unlink()
+    assert "config.json" in _load_error(str(hf_dir))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_hf_corrupt_safetensors(hf_dir, damage):
+    f = next(hf_dir.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 64)
+    msg = _load_error(str(hf_dir))
+    assert "safetensors" in msg and f.name in msg
+
+
+def test_hf_missing_tensor(hf_dir):
+    from safetensors.torch import load_file, save_file
+
+    f = next(hf_dir.glob("*.safetensors"))
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    assert "model.layers.1.mlp.up_proj.weight" in _load_error(str(hf_dir))
+
+
+def test_hf_config_missing_field(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    del cfg["hidden_size"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    assert "hidden_size" in _load_error(str(hf_dir))
+
+
+def test_hf_config_shape_mismatch(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    assert "mlp" in _load_error(str(hf_dir))
+
+
+def test_file_that_is_neither(tmp_path):
+    p = tmp_path / "weights.bin"
+    p.write_bytes(b"x")
+    assert ".gguf" in _load_error(str(p))
