@@ -1,0 +1,265 @@
+"""The async engine: one loop thread owns the LLMEngine; asyncio callers talk to it by queue.
+
+Ownership (nothing else touches the LLMEngine after start()):
+
+    caller (event loop)            loop thread
+    -------------------            -----------
+    add_group() -> _commands  -->  engine.add_request(...) per child
+    abort()     -> _commands  -->  engine.abort_request(...)
+    GroupStream.queue         <--  loop.call_soon_threadsafe(put, outputs of one step)
+
+A group is what one HTTP request asks for: one engine request per (prompt, choice). Its stream
+yields (child index, RequestOutput) in step order and ends after every child finished; the
+outputs carry cumulative text and token ids, so a consumer takes deltas by length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import ParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChildRequest:
+    """One engine request of a group."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state published by the loop thread after each step (read by /metrics, admission)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+class QueueFull(Exception):
+    """More requests in flight than max_num_seqs + max_queue."""
+
+
+class EngineStopped(Exception):
+    """The engine is draining or stopped and admits nothing new."""
+
+
+class GroupStream:
+    """The async side of one group: (child index, output) pairs until every child finished."""
+
+    def __init__(self, children: list[ChildRequest], loop: asyncio.AbstractEventLoop):
+        self.children = children
+        self.index = {c.request_id: i for i, c in enumerate(children)}
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.unfinished = set(self.index)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            i, out = item
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+            yield i, out
+
+    def _put(self, item) -> None:  # runs on the event loop
+        self.queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256):
+        self.engine = engine
+        self.max_in_flight = engine.config.scheduler.max_num_seqs + max_queue
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, GroupStream] = {}  # child id -> stream; loop thread only
+        self._in_flight = 0  # engine requests admitted and not finished; guarded by _lock
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._wake = threading.Event()
+
+    # ---- caller side (any thread; typically the event loop) -----------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ParamError now, before a stream opens. Pure: reads only frozen engine limits."""
+        self.engine.check_prompt(prompt_token_ids, params)
+
+    def add_group(self, children: list[ChildRequest]) -> GroupStream:
+        """Admit every child or none (QueueFull / EngineStopped / ParamError)."""
+        if self._draining or self._stopping.is_set():
+            raise EngineStopped("the server is shutting down")
+        for c in children:
+            self.check(c.prompt_token_ids, c.params)
+        with self._lock:
+            if self._in_flight + len(children) > self.max_in_flight:
+                raise QueueFull(f"{self._in_flight} requests in flight; the limit is "
+                                f"{self.max_in_flight} (max_num_seqs + max_queue)")
+            self._in_flight += len(children)
+        stream = GroupStream(children, asyncio.get_running_loop())
+        self._submit(lambda: self._add(stream))
+        return stream
+
+    def abort(self, stream: GroupStream) -> None:
+        """Abort the group's unfinished children; their blocks return to the pool."""
+        ids = list(stream.unfinished)
+        if ids:
+            self._submit(lambda: self._abort(ids))
+
+    def drain(self) -> None:
+        """Admit nothing new; work in flight continues."""
+        self._draining = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    # ---- loop thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a bug in a step must not leave clients hanging forever
+                log.exception("engine step failed; aborting all requests")
+                self._fail_all(RuntimeError("internal engine error"))
+                continue
+            self._dispatch(outputs)
+            self._publish()
+        self._fail_all(EngineStopped("the server shut down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _add(self, stream: GroupStream) -> None:
+        now = time.monotonic()
+        added: list[str] = []
+        try:
+            for c in stream.children:
+                self.engine.add_request(c.request_id, c.prompt_token_ids, c.params,
+                                        priority=c.priority, cache_salt=c.cache_salt,
+                                        arrival_time=now)
+                added.append(c.request_id)
+        except ParamError as e:  # checked before admission; only a changed engine gets here
+            self.engine.abort_request(added)
+            self._finish_count(len(stream.children))
+            stream.loop.call_soon_threadsafe(stream._put, e)
+            return
+        for rid in added:
+            self._streams[rid] = stream
+        self._publish()
+
+    def _abort(self, ids: list[str]) -> None:
+        live = [i for i in ids if i in self._streams]
+        self.engine.abort_request(live)
+        for rid in live:
+            stream = self._streams.pop(rid)
+            self._finish_count(1)
+            out = RequestOutput(rid, None, [], [], finished=True)
+            stream.loop.call_soon_threadsafe(stream._put, (stream.index[rid], out))
+        self._publish()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_stream: dict[int, tuple[GroupStream, list]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._finish_count(1)
+            by_stream.setdefault(id(stream), (stream, []))[1].append((stream.index[out.request_id], out))
+        for stream, items in by_stream.values():  # one cross-thread wake-up per group per step
+            stream.loop.call_soon_threadsafe(_put_all, stream, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = {id(s): s for s in self._streams.values()}
+        if self._streams:
+            self.engine.abort_request(list(self._streams))
+            self._finish_count(len(self._streams))
+            self._streams.clear()
+        for s in streams.values():
+            try:
+                s.loop.call_soon_threadsafe(s._put, error)
+            except RuntimeError:  # the event loop is already closed
+                pass
+
+    def _finish_count(self, n: int) -> None:
+        with self._lock:
+            self._in_flight -= n
+
+    def _publish(self) -> None:
+        e = self.engine
+        st, pool, sch = e.stats, e.pool, e.scheduler
+        self.snapshot = EngineSnapshot(len(sch.running), len(sch.waiting), pool.num_blocks,
+                                       pool.num_free, pool.usage, pool.queries, pool.hits,
+                                       st.prompt_tokens, st.generation_tokens, st.steps)
+
+
+def _put_all(stream: GroupStream, items: list) -> None:
+    for item in items:
+        stream.queue.put_nowait(item)

@@ -1,0 +1,143 @@
+"""The FastAPI app: routers, the request gate (request id, API key, body size) and error handlers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine
+from server.config import ServerConfig
+from server.errors import ApiError, error_response, validation_message
+from server.metrics import ServerMetrics
+from server.routes import chat, completions, models
+from server.serving import ServerContext
+
+log = logging.getLogger(__name__)
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class RequestGate:
+    """Pure ASGI middleware: X-Request-Id in and out, bearer-key check, request body limit."""
+
+    def __init__(self, app, config: ServerConfig):
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode("latin-1", "replace"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + [rid_header]
+            await send(message)
+
+        denied = self._deny(scope["path"], headers)
+        if denied is not None:
+            return await denied(scope, receive, send_with_id)
+        limit, seen = self.config.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send_with_id)
+
+    def _deny(self, path: str, headers: dict[str, str]):
+        key = self.config.api_key
+        if key and path.startswith(_PROTECTED):
+            auth = headers.get("authorization", "")
+            if auth != f"Bearer {key}":
+                what = "missing" if not auth else "incorrect"
+                return error_response(ApiError(
+                    401, f"API key {what}: send 'Authorization: Bearer <key>'.",
+                    param=None, code="invalid_api_key"))
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.config.max_body_bytes:
+            return _too_large(self.config.max_body_bytes)
+        return None
+
+
+def _too_large(limit: int):
+    return error_response(ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                                   code="request_too_large"))
+
+
+def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
+    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name)
+    ctx = ServerContext(config, engine, metrics, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.stop()
+
+    app = FastAPI(title="tierserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible LLM server (see docs/api.md).")
+    app.state.ctx = ctx
+    for r in (completions.router, chat.router, models.router):
+        app.include_router(r)
+    _install_error_handlers(app, metrics)
+    app.add_middleware(RequestGate, config=config)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def count(status: int) -> None:
+        metrics.http_errors.labels(metrics.model, str(status)).inc()
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        count(exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        count(400)
+        message, param, code = validation_message(_plain(exc.errors()))
+        return error_response(ApiError(400, message, param=param, code=code))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        count(exc.status_code)
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        detail = exc.detail if isinstance(exc.detail, str) else "error"
+        return error_response(ApiError(exc.status_code, f"{detail}: {request.method} "
+                                       f"{request.url.path}", type_=type_, headers=exc.headers))
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge):
+        count(413)
+        return _too_large(app.state.ctx.config.max_body_bytes)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        count(500)
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, "internal server error", type_="server_error",
+                                       code="internal_error"))
+
+
+def _plain(errors) -> list[dict]:
+    """Validation errors with only JSON-safe values (inputs may hold bytes or exceptions)."""
+    return json.loads(json.dumps(list(errors), default=str))

@@ -1,0 +1,101 @@
+"""Server settings: a frozen dataclass, loaded from YAML and overridden by command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `tierserve serve` needs; each field is also a --flag."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """TCP port to listen on."""
+    model: str = "smollm2-135m"
+    """Engine model: an embedded alias, a .gguf file or a Hugging Face directory."""
+    served_model_name: str | None = None
+    """Name clients use in the `model` field; defaults to `model`."""
+    api_key: str | None = None
+    """When set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <key>`."""
+    max_queue: int = 256
+    """Requests that may wait beyond max_num_seqs running; more get 429."""
+    max_model_len: int = 8192
+    """Longest prompt plus output (capped by the model and the KV cache)."""
+    max_num_seqs: int = 64
+    """Requests running at once in the engine."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step."""
+    kv_cache_memory_bytes: int = 1 << 30
+    """Memory for the KV cache (accepts suffixes: 512MiB, 2GiB)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes."""
+    dtype: str = "float32"
+    """Compute dtype."""
+    num_threads: int | None = None
+    """Torch threads; None uses every core available."""
+    seed: int = 0
+    """Sampler seed for requests without a seed."""
+    max_n: int = 16
+    """Largest `n` (choices per prompt) a request may ask for."""
+    max_prompts: int = 64
+    """Largest number of prompts in one /v1/completions request."""
+    max_body_bytes: int = 4 << 20
+    """Request bodies larger than this get 413."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish."""
+    log_level: str = "info"
+    """Uvicorn and tierserve log level."""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Flat keyword arguments for engine.llm.build_config."""
+        keys = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "dtype",
+                "num_threads", "seed")
+        return {k: getattr(self, k) for k in keys}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers pass through."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"not a byte size: {value!r} (examples: 1073741824, 512MiB, 2GiB)")
+    unit = (m.group(2) or " ")[0].lower()
+    return int(float(m.group(1)) * _UNITS.get(unit, 1))
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    """YAML values, then overrides (None values in overrides are ignored)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        values.update({k.replace("-", "_"): v for k, v in data.items()})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; valid: {sorted(FIELDS)}")
+    if "kv_cache_memory_bytes" in values:
+        values["kv_cache_memory_bytes"] = parse_bytes(values["kv_cache_memory_bytes"])
+    return ServerConfig(**values)

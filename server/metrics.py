@@ -1,0 +1,98 @@
+"""Prometheus metrics with vLLM's names where they exist (vllm:*), tierserve's own otherwise.
+
+Engine counters and gauges are read from the loop thread's latest EngineSnapshot at scrape time
+(a custom collector), so the engine thread never touches prometheus objects. Latency histograms
+are observed on the event loop as outputs arrive."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.async_engine import EngineSnapshot
+from engine.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str):
+        self.snapshot, self.model = snapshot, model
+
+    def collect(self) -> Iterable[Metric]:
+        s, lbl = self.snapshot(), [self.model]
+        yield _gauge("vllm:num_requests_running", "Requests in the model execution batch.", s.num_running, lbl)
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, lbl)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage, lbl)
+        yield _gauge("tierserve:kv_cache_blocks_total", "KV blocks in the device pool.", s.num_blocks, lbl)
+        yield _gauge("tierserve:kv_cache_blocks_free", "Free KV blocks in the device pool.", s.num_free_blocks, lbl)
+        yield _counter("vllm:prefix_cache_queries", "Prefix-cache block lookups.", s.prefix_queries, lbl)
+        yield _counter("vllm:prefix_cache_hits", "Prefix-cache block hits.", s.prefix_hits, lbl)
+        yield _counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, lbl)
+        yield _counter("vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens, lbl)
+        yield _counter("tierserve:engine_steps", "Engine steps run.", s.steps, lbl)
+
+
+def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g.add_metric(labels, value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric(labels, value)
+    return c
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(snapshot, model))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, **kw).labels(model)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_ITL_BUCKETS, **kw).labels(model)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_E2E_BUCKETS, **kw).labels(model)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.http_errors = Counter("tierserve:http_errors", "Error responses by status code.",
+                                   labelnames=["model_name", "status"], registry=self.registry)
+
+    def observer(self) -> "RequestObserver":
+        return RequestObserver(self)
+
+
+class RequestObserver:
+    """Feeds one group's outputs (child index, RequestOutput) into the latency histograms."""
+
+    def __init__(self, m: ServerMetrics):
+        self.m = m
+        self.last: dict[int, float] = {}
+
+    def on_output(self, i: int, out: RequestOutput) -> None:
+        t = out.metrics.get("last_token")
+        arrival = out.metrics.get("arrival")
+        if t is not None and arrival is not None:
+            prev = self.last.get(i)
+            if prev is None:
+                self.m.ttft.observe(t - arrival)
+            elif t > prev:
+                self.m.itl.observe(t - prev)
+            self.last[i] = t
+        if out.finished:
+            if arrival is not None:
+                self.m.e2e.observe(time.monotonic() - arrival)
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self.m.success.labels(self.m.model, reason or "abort").inc()

@@ -1,0 +1,61 @@
+"""GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.errors import ApiError, bad_request
+from server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                             TokenizeRequest, TokenizeResponse)
+from server.routes.chat import render_chat
+from server.serving import check_model, context
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    ctx = context(request)
+    card = ModelCard(id=ctx.config.model_name, created=ctx.created, root=ctx.config.model,
+                     max_model_len=ctx.engine.max_model_len)
+    return ModelList(data=[card])
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if context(request).engine.draining:
+        raise ApiError(503, "the server is shutting down", type_="server_error",
+                       code="shutting_down")
+    return Response(status_code=200)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    ctx = context(request)
+    check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = render_chat(ctx, body.messages, body.add_generation_prompt is not False)
+    else:
+        ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
+                                          is not False)
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    ctx = context(request)
+    check_model(ctx, body.model)
+    vocab = ctx.engine.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
+    return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(context(request).metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)

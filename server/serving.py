@@ -1,0 +1,185 @@
+"""What the completion and chat routes share: request -> SamplingParams, admission into the async
+engine, collecting a group without streaming, and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine, ChildRequest, EngineStopped, GroupStream, QueueFull
+from engine.outputs import RequestOutput
+from engine.sampling_params import ParamError, SamplingParams
+from server.config import ServerConfig
+from server.errors import ApiError, bad_request
+from server.metrics import RequestObserver, ServerMetrics
+from server.policy import RequestPolicy, policy_from_headers
+from server.protocol import _SamplingFields
+
+log = logging.getLogger(__name__)
+
+_INT64 = (1 << 63) - 1
+
+
+@dataclass
+class ServerContext:
+    """Per-app state, built once at start-up."""
+
+    config: ServerConfig
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    created: int
+
+
+@dataclass
+class Call:
+    """One HTTP generation request on its way through the engine."""
+
+    request_id: str
+    """The X-Request-Id (the client's, or generated)."""
+    policy: RequestPolicy
+    created: int
+
+
+def context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def start_call(request: Request) -> Call:
+    return Call(request.state.request_id, policy_from_headers(request.headers), int(time.time()))
+
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model != ctx.config.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                            f"`{ctx.config.model_name}` (see GET /v1/models).",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """Range checks happen in SamplingParams; the server adds the ones that protect itself."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= ctx.config.max_n:
+        raise bad_request(f"n must be in [1, {ctx.config.max_n}], got {n}", "n")
+    if body.seed is not None and not -_INT64 - 1 <= body.seed <= _INT64:
+        raise bad_request(f"seed must fit in a signed 64-bit integer, got {body.seed}", "seed")
+    if body.priority is not None and not -_INT64 - 1 <= body.priority <= _INT64:
+        raise bad_request("priority must fit in a signed 64-bit integer", "priority")
+    vocab = ctx.engine.tokenizer.vocab_size
+    stop_ids = list(body.stop_token_ids or [])
+    top_k = body.top_k
+    if top_k is not None and top_k > vocab:
+        top_k = vocab  # keeping more than the vocabulary is keeping all of it
+    try:
+        return SamplingParams(
+            n=n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if top_k is None else top_k,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias, vocab),
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
+            ignore_eos=bool(body.ignore_eos),
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens is not False,
+        )
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+        if not 0 <= tid < vocab:
+            raise bad_request(f"logit_bias token id {tid} is out of range [0, {vocab})", "logit_bias")
+        out[tid] = v
+    return out
+
+
+def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: SamplingParams,
+          body: _SamplingFields) -> GroupStream:
+    """Fan out to one engine request per (prompt, choice): child k = prompt k // n, choice k % n."""
+    base = uuid.uuid4().hex
+    children = []
+    for p, ids in enumerate(prompts):
+        for j in range(params.n):
+            child = dataclasses.replace(params, n=1,
+                                        seed=None if params.seed is None else params.seed + j)
+            children.append(ChildRequest(f"{base}-{p * params.n + j}", ids, child,
+                                         body.priority or 0, body.cache_salt))
+    try:
+        stream = ctx.engine.add_group(children)
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
+    except QueueFull as e:
+        raise ApiError(429, f"The server is at capacity: {e}. Retry later.",
+                       type_="rate_limit_exceeded", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except EngineStopped as e:
+        raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
+    if not call.policy.empty:
+        log.debug("request %s kv policy headers (not acted on yet): %s", call.request_id,
+                  call.policy.headers)
+    return stream
+
+
+async def observed(stream: GroupStream, obs: RequestObserver) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for i, out in stream:
+        obs.on_output(i, out)
+        yield i, out
+
+
+async def collect(ctx: ServerContext, stream: GroupStream, request: Request) -> list[RequestOutput]:
+    """The final output of every child; aborts the group if the client goes away meanwhile."""
+    final: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for i, out in observed(stream, ctx.metrics.observer()):
+            if out.finished:
+                final[i] = out
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                if task.exception() is not None:
+                    raise engine_failure(task.exception())
+                break
+            if await request.is_disconnected():
+                raise ApiError(499, "client disconnected", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+            ctx.engine.abort(stream)
+    return [final[i] for i in range(len(stream.children))]
+
+
+def engine_failure(exc: BaseException) -> ApiError:
+    if isinstance(exc, ParamError):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, EngineStopped):
+        return ApiError(503, str(exc), type_="server_error", code="shutting_down")
+    return ApiError(500, "internal server error", type_="server_error", code="internal_error")
