@@ -1,0 +1,116 @@
+"""The tokenizer built from the embedded GGUF's metadata encodes, decodes and renders chats exactly
+as transformers does from the same file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.loaders import load_model_source
+from engine.tokenizer import TextTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "12345",
+    "3.14159 and 2,718,281 and 1e-9",
+    "Call 555-0199 before 10:30pm on 2024-02-29.",
+    "def add(a, b):\n    return a + b\n",
+    "for (int i = 0; i < n; ++i) { sum += x[i]; }",
+    "import numpy as np\nx = np.zeros((3, 4), dtype=np.float32)",
+    "if x == 1:\n\tprint('tab')\n",
+    "   leading spaces",
+    "trailing spaces   ",
+    "many     spaces   between",
+    "\n\n\nnewlines\n\n",
+    "\r\nwindows line\r\nendings",
+    "mixed \t\n whitespace \n\t ",
+    "",
+    " ",
+    "Café naïve résumé Straße",
+    "Привет, мир!",
+    "日本語のテキストと中文字符",
+    "한국어 문장입니다",
+    "مرحبا بالعالم",
+    "emoji 😀🎉👍🏽 family 👨‍👩‍👧‍👦",
+    "math: ∑ x² ≤ ∞ → π ≈ 3.14",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "<|im_start|>assistant\nSure!<|im_end|><|endoftext|>",
+    "text<|im_end|>more text",
+    "don't won't I'm you're we've they'll he'd",
+    "DON'T SHOUT",
+    "URL: https://example.com/path?q=1&r=two#frag",
+    "email someone@example.org",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "<html><body><p>Hi</p></body></html>",
+    "a" * 50,
+    "ababababababab",
+    "$$$ ### @@@ !!!",
+    "snake_case_name and CamelCaseName",
+    "0x1F 0b1010 007",
+    "The year 1999 became 2000.",
+    "Ellipsis… and — dashes – here",
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> TextTokenizer:
+    return TextTokenizer(load_model_source("smollm2-135m").tokenizer)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    path = load_model_source("smollm2-135m").path
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_encode_matches_transformers(ours, hf, text):
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_decode_round_trips(ours, text):
+    assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+
+
+def test_digits_are_single_tokens(ours):
+    assert [ours.decode([i]) for i in ours.encode("12345")] == list("12345")
+
+
+def test_special_tokens_are_single_ids_and_skipped_in_decode(ours, hf):
+    ids = ours.encode("<|im_start|>user\nHi<|im_end|>")
+    assert ids[0] == hf.convert_tokens_to_ids("<|im_start|>")
+    assert ids[-1] == hf.convert_tokens_to_ids("<|im_end|>")
+    assert ours.decode(ids) == "user\nHi"
+
+
+CHATS = {
+    "system-user-assistant": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    "user-only": [{"role": "user", "content": "Tell me a joke about cats 🐱"}],
+}
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, hf, chat, add_generation_prompt):
+    messages = CHATS[chat]
+    text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == hf.apply_chat_template(messages, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=True)
+
+
+def test_user_only_chat_gets_default_system_prompt(ours):
+    text = ours.apply_chat_template(CHATS["user-only"])
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>assistant\n")
