@@ -27,11 +27,8 @@ class ScheduledRequest:
     """Tokens computed this step, at positions start .. start + num_new_tokens - 1."""
     block_ids: tuple[int, ...]
     """Block table covering every position up to start + num_new_tokens."""
-
-    @property
-    def samples(self) -> bool:
-        """The step reaches the request's last token, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    samples: bool
+    """The step reaches the request's last token, so a next token is sampled."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +137,8 @@ class Scheduler:
         return min(n, cap) if cap > 0 else n
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, n, tuple(req.block_ids))
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, start, n, tuple(req.block_ids), start + n == req.num_tokens)
 
     def _match_prefix(self, req: Request) -> None:
         """Take the leading cached blocks; at least the last token is always recomputed."""

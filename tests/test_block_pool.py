@@ -1,0 +1,69 @@
+"""Block pool and prefix index: plain Python, no model."""
+
+from __future__ import annotations
+
+import sys
+
+from engine.block_hash import ROOT, extend_hashes, hash_block
+from engine.block_pool import BlockPool
+
+
+def hashes(tokens, bs=4, extra=b"m"):
+    out = []
+    extend_hashes(out, tokens, bs, extra)
+    return out
+
+
+def test_no_torch_needed():
+    assert "engine.block_pool" in sys.modules
+    import engine.scheduler  # noqa: F401  # the scheduler and pool are torch-free modules
+    src = open(engine.scheduler.__file__).read() + open(sys.modules["engine.block_pool"].__file__).read()
+    assert "import torch" not in src
+
+
+def test_chained_hash_depends_on_parent_and_extra():
+    a = hash_block(ROOT, [1, 2, 3, 4], b"m")
+    assert a == hash_block(ROOT, [1, 2, 3, 4], b"m")
+    assert a != hash_block(ROOT, [1, 2, 3, 4], b"other-model")
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(ROOT, [5, 6, 7, 8])
+    assert len(hashes(list(range(10)))) == 2  # only full blocks
+
+
+def test_eviction_order_least_recently_freed_first_tail_before_prefix():
+    pool = BlockPool(6, 4)
+    a = pool.allocate(3)
+    b = pool.allocate(2)
+    assert a == [0, 1, 2] and b == [3, 4] and pool.free_order() == [5]
+    pool.free(a)  # a request frees last-to-first: its tail block is evicted before its prefix
+    pool.free(b)
+    assert pool.free_order() == [5, 2, 1, 0, 4, 3]
+    assert pool.allocate(2) == [5, 2]
+
+
+def test_prefix_hit_verifies_tokens_and_survives_until_evicted():
+    pool = BlockPool(4, 4)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    hs = hashes(toks)
+    blocks = pool.allocate(2)
+    for i, bid in enumerate(blocks):
+        pool.publish(bid, hs[i], toks[4 * i:4 * i + 4])
+    pool.free(blocks)
+    assert pool.match_prefix(hs, toks) == blocks  # free but still cached
+    assert pool.match_prefix(hs, [1, 2, 3, 9] + toks[4:]) == []  # tokens differ: no hit
+    pool.touch(blocks)
+    assert pool.num_free == 2
+    pool.free(blocks)
+    pool.allocate(4)  # takes every block, evicting the cached ones
+    assert pool.match_prefix(hs, toks) == []
+
+
+def test_publish_keeps_first_writer_and_refcounts():
+    pool = BlockPool(4, 2)
+    h = hashes([1, 2], bs=2)
+    x, y = pool.allocate(1)[0], pool.allocate(1)[0]
+    pool.publish(x, h[0], [1, 2])
+    pool.publish(y, h[0], [1, 2])  # same content computed twice: the index keeps x
+    assert pool.match_prefix(h, [1, 2]) == [x]
+    pool.touch([x])
+    pool.free([x])
+    assert pool.blocks[x].ref_cnt == 1 and pool.num_free == 2

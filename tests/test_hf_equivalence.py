@@ -1,0 +1,41 @@
+"""Greedy token ids equal Hugging Face transformers' generate on the same GGUF, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+NEW_TOKENS = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, varied_prompts) -> list[list[int]]:
+    hf_model.generation_config.eos_token_id = None  # as ignore_eos: never stop early
+    outs = []
+    for p in varied_prompts:
+        seq = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                pad_token_id=0)
+        outs.append(seq[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.slow
+def test_each_prompt_alone_matches_transformers(llm, varied_prompts, hf_outputs):
+    assert max(map(len, varied_prompts)) == 1500 and min(map(len, varied_prompts)) == 1
+    for prompt, expected in zip(varied_prompts, hf_outputs):
+        got = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+        assert got == expected, f"prompt of {len(prompt)} tokens diverges"
+
+
+@pytest.mark.slow
+def test_one_continuous_batch_with_chunked_prefill_matches_transformers(varied_prompts, hf_outputs):
+    # A 256-token step budget is far below the 1,500-token prompt: prefills are chunked and
+    # share steps with the decodes of the shorter prompts.
+    llm = LLM(kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=256, max_num_seqs=16)
+    outs = llm.generate(varied_prompts, GREEDY)
+    for prompt, out, expected in zip(varied_prompts, outs, hf_outputs):
+        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverges"
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
