@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Sequence
 
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -31,9 +35,7 @@ class TextTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+            self._template = _template_env().from_string(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # A tokenizer.json may add BOS in its post-processor (Llama 3); a GGUF-built one has none
@@ -59,6 +61,34 @@ class TextTokenizer:
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+class _GenerationTag(Extension):
+    """{% generation %}...{% endgeneration %} marks assistant text for training masks in HF; when
+    rendering a prompt it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in, so prompts match it exactly."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 _WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"

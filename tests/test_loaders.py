@@ -278,9 +278,9 @@ def test_llm_with_unknown_model_raises_model_load_error():
         LLM(model="nope")
 
 
-@pytest.mark.parametrize("keep", [1 << 20, 40 << 20])
+@pytest.mark.parametrize("keep", [0, 1 << 20, 40 << 20])
 def test_truncated_gguf(embedded, tmp_path, keep):
-    """Cut inside the metadata (1 MiB) and inside the tensor data (40 MiB)."""
+    """Empty, cut inside the metadata (1 MiB) and inside the tensor data (40 MiB)."""
     path = tmp_path / "cut.gguf"
     with open(embedded.path, "rb") as src, open(path, "wb") as dst:
         dst.write(src.read(keep))
@@ -304,6 +304,12 @@ def test_unsupported_gguf_architecture(tmp_path):
                       {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
     msg = _load_error(str(path))
     assert "'falcon'" in msg and "llama" in msg
+
+
+def test_gguf_without_model_metadata(tmp_path):
+    path = _tiny_gguf(tmp_path / "bare.gguf", "llama",
+                      {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    assert "llama.embedding_length" in _load_error(str(path))
 
 
 def test_gguf_tensor_type_gguf_cannot_dequantize(embedded, tmp_path):

@@ -114,3 +114,33 @@ def test_user_only_chat_gets_default_system_prompt(ours):
     text = ours.apply_chat_template(CHATS["user-only"])
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>assistant\n")
+
+
+# Uses what Hugging Face templates use beyond plain Jinja: loop controls, a tojson that does not
+# escape HTML characters, {% generation %} blocks, raise_exception.
+FEATURE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('bad role') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% if m.meta is defined %} {{ m.meta | tojson }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_features_match_transformers(ours, hf):
+    from engine.tokenizer import TokenizerInfo
+
+    info = TokenizerInfo(ours._tok, FEATURE_TEMPLATE, ours.bos_token, ours.eos_token, ours.add_bos)
+    custom = TextTokenizer(info)
+    messages = [{"role": "user", "content": "x < y & z", "meta": {"tag": "<b>é</b>", "n": [1, 2]}},
+                {"role": "tool", "content": "skipped"},
+                {"role": "assistant", "content": "ok"}]
+    expected = hf.apply_chat_template(messages, chat_template=FEATURE_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True)
+    assert custom.apply_chat_template(messages) == expected
+    assert '"<b>é</b>"' in expected
+    with pytest.raises(ValueError, match="bad role"):
+        custom.apply_chat_template([{"role": "robot", "content": "beep"}])
