@@ -382,3 +382,31 @@ def test_file_that_is_neither(tmp_path):
     p = tmp_path / "weights.bin"
     p.write_bytes(b"x")
     assert ".gguf" in _load_error(str(p))
+
+
+def test_hf_missing_tokenizer(hf_dir):
+    (hf_dir / "tokenizer.json").unlink()
+    assert "tokenizer.json" in _load_error(str(hf_dir))
+
+
+@pytest.mark.parametrize("bos_by", ["post_processor", "tokenizer_config"])
+def test_hf_dir_bos_like_transformers(hf_dir, bos_by):
+    """Llama 3 dirs add BOS in tokenizer.json's post-processor; transformers 5 ignores
+    tokenizer_config's add_bos_token when there is a tokenizer.json, and so do we."""
+    from tokenizers import Tokenizer, processors
+
+    from engine.tokenizer import TextTokenizer
+
+    if bos_by == "post_processor":
+        tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        tok.save(str(hf_dir / "tokenizer.json"))
+    else:
+        tc = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps({**tc, "add_bos_token": True}))
+    ours = TextTokenizer(load_model_source(str(hf_dir)).tokenizer)
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    for text in PROMPTS:
+        assert ours.encode(text) == hf_tok(text)["input_ids"]
+        assert (ours.encode(text)[0] == 1) == (bos_by == "post_processor")

@@ -125,5 +125,7 @@ def _tokenizer(path: str) -> TokenizerInfo:
     if template is None and os.path.isfile(jinja):
         with open(jinja) as f:
             template = f.read()
+    # BOS comes from tokenizer.json's post-processor, as in transformers 5, which ignores
+    # tokenizer_config's add_bos_token for a tokenizer.json (Llama 3 dirs rely on this).
     return TokenizerInfo(tok, template, name(tc.get("bos_token")), name(tc.get("eos_token")),
-                         bool(tc.get("add_bos_token", False)))
+                         add_bos=False)
