@@ -173,8 +173,15 @@ async def collect(ctx: ServerContext, stream: GroupStream, request: Request) -> 
     finally:
         if not task.done():
             task.cancel()
-            ctx.engine.abort(stream)
+            abort(ctx, stream)
     return [final[i] for i in range(len(stream.children))]
+
+
+def abort(ctx: ServerContext, stream: GroupStream) -> None:
+    """The client went away: abort what is unfinished (its blocks return to the pool)."""
+    if not stream.finished:
+        ctx.metrics.success.labels(ctx.metrics.model, "abort").inc(len(stream.unfinished))
+        ctx.engine.abort(stream)
 
 
 def engine_failure(exc: BaseException) -> ApiError:

@@ -15,7 +15,7 @@ from server.errors import ApiError, bad_request, error_json
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              ChatMessage, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
-from server.serving import (Call, ServerContext, admit, check_model, collect, context,
+from server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
                             engine_failure, observed, sampling_params, start_call)
 
 router = APIRouter()
@@ -141,6 +141,5 @@ async def _stream(ctx: ServerContext, call: Call, stream: GroupStream,
     except Exception as e:  # noqa: BLE001 - reported as an error event, no trace
         yield sse(error_json(engine_failure(e)))
     finally:
-        if not stream.finished:
-            ctx.engine.abort(stream)
+        abort(ctx, stream)
     yield SSE_DONE

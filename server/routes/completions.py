@@ -14,7 +14,7 @@ from server.deltas import SSE_DONE, DeltaTracker, sse, usage_of
 from server.errors import ApiError, bad_request, error_json
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse)
-from server.serving import (Call, ServerContext, admit, check_model, collect, context,
+from server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
                             engine_failure, observed, sampling_params, start_call)
 
 router = APIRouter()
@@ -140,6 +140,5 @@ async def _stream(ctx: ServerContext, call: Call, stream: GroupStream, body: Com
         err = engine_failure(e)
         yield sse(error_json(err))
     finally:
-        if not stream.finished:
-            ctx.engine.abort(stream)
+        abort(ctx, stream)
     yield SSE_DONE
