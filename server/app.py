@@ -99,7 +99,25 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
         app.include_router(r)
     _install_error_handlers(app, metrics)
     app.add_middleware(RequestGate, config=config)
+    _pin_model_name(app, config.model_name)
     return app
+
+
+def _pin_model_name(app: FastAPI, name: str) -> None:
+    """The schema's `model` fields list the one served name (any other gets 404)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for comp in schema.get("components", {}).get("schemas", {}).values():
+                model = comp.get("properties", {}).get("model")
+                if model is not None and model.get("type") == "string":
+                    model["enum"] = [name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -1,0 +1,79 @@
+"""A deliberately small server: fuzzing finds no 5xx, a full queue gets 429, SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_fixtures import MODEL, run_server
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    # max_num_seqs 2 + max_queue 0: a third engine request in flight gets 429.
+    with run_server(tmp_path_factory.mktemp("small"), "--max-model-len", "64", "--max-num-seqs",
+                    "2", "--max-queue", "0", "--max-n", "2", "--max-prompts", "2") as s:
+        yield s
+
+
+def _long_stream(server, n: int = 2, max_tokens: int = 50):
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True,
+            "n": n, "stream": True, "temperature": 0}
+    return httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors(small):
+    """A bounded, seeded schemathesis run on every POST endpoint of /openapi.json."""
+    st = Path(sys.executable).parent / "schemathesis"
+    if not st.exists():
+        pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
+    env = dict(os.environ, PYTHONPATH=str(TESTS), SCHEMATHESIS_HOOKS="server_schemathesis_hooks")
+    cmd = [str(st), "run", small.base_url + "/openapi.json", "--include-method", "POST",
+           "-c", "not_a_server_error", "-n", "15", "--seed", "1", "--request-timeout", "60",
+           "--no-color"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "passed" in r.stdout
+    assert "Traceback" not in small.log()
+
+
+def test_queue_full_gets_429_with_retry_after(small):
+    with _long_stream(small) as busy:
+        lines = busy.iter_lines()
+        next(lines)  # the server admitted both choices and is streaming
+        r = httpx.post(small.base_url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert "at capacity" in err["message"] and "limit is 2" in err["message"]
+        assert err["code"] == "queue_full"
+        rest = [x for x in lines if x]
+    assert rest[-1] == "data: [DONE]"
+    r = httpx.post(small.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200  # serves normally once the queue has room
+
+
+def test_sigterm_drains_in_flight_and_exits_0(small):
+    """Last in this module: it stops the server."""
+    with _long_stream(small, n=1, max_tokens=40) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        assert first.startswith("data: {")
+        small.proc.send_signal(signal.SIGTERM)
+        rest = [x for x in lines if x]  # the in-flight stream still completes
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in x for x in rest)
+    assert small.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(small.base_url + "/health", timeout=5)
