@@ -69,28 +69,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
                                timeout_graceful_shutdown=int(config.drain_timeout_s))
-    server = _DrainingServer(uv_config, engine)
+    server = _draining_server(uv_config, engine)
     server.run()
     engine.stop()
     return 0
 
 
-class _DrainingServer:
-    """uvicorn.Server that stops admitting on SIGTERM, lets in-flight work finish (up to
+def _draining_server(config, engine):
+    """A uvicorn.Server that stops admitting on SIGTERM, lets in-flight work finish (up to
     drain_timeout_s), and then exits 0 instead of re-raising the signal."""
+    import uvicorn
 
-    def __new__(cls, config, engine):
-        import uvicorn
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.drain()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals = [s for s in self._captured_signals
+                                          if s != signal.SIGTERM]
 
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                engine.drain()
-                super().handle_exit(sig, frame)
-                if sig == signal.SIGTERM:
-                    self._captured_signals = [s for s in self._captured_signals
-                                              if s != signal.SIGTERM]
-
-        return Server(config)
+    return DrainingServer(config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
