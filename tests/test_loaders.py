@@ -4,7 +4,6 @@ inputs give one-line ModelLoadErrors. No downloads: the only real weights are th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
