@@ -16,6 +16,7 @@ from engine.request import RequestId
 from engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from engine.scheduler import SchedulerOutput
 from kernels import BatchLayout, ForwardContext, create_backend, forward_context
+from kernels.router import Route, RouteQuery, route
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.model = self._build_model(weights)
-        self.backend = create_backend(config.attention_backend or "torch_sdpa", model_cfg.num_heads,
-                                      model_cfg.num_kv_heads, model_cfg.head_dim,
-                                      1.0 / math.sqrt(model_cfg.head_dim))
+        self.route, self.backend = self._choose_backend()
         slots = num_blocks * self.block_size
         self.kv_caches = [torch.zeros(2, model_cfg.num_kv_heads, slots, model_cfg.head_dim,
                                       dtype=self.kv_dtype, device=self.device)
@@ -66,6 +65,22 @@ class ModelRunner:
         model.to(self.device).eval()
         model.pack_weights(batch_hint=64)
         return model
+
+    def _choose_backend(self):
+        mc = self.model_cfg
+        q = RouteQuery(self.device.type, self.dtype, self.config.kv_cache_dtype, mc.head_dim,
+                       mc.num_heads, mc.num_kv_heads, self.block_size)
+        args = (mc.num_heads, mc.num_kv_heads, mc.head_dim, 1.0 / math.sqrt(mc.head_dim))
+        chosen = route(q, self.config.attention_backend)
+        try:
+            return chosen, create_backend(chosen.backend, *args)
+        except RuntimeError as e:  # e.g. a native kernel that failed to build
+            if self.config.attention_backend:
+                raise
+            chosen.rejected[chosen.backend] = str(e)
+            fallback = "torch_sdpa"
+            log.warning("attention backend %s unavailable (%s); using %s", chosen.backend, e, fallback)
+            return Route(fallback, chosen.rejected), create_backend(fallback, *args)
 
     @property
     def kv_bytes(self) -> int:

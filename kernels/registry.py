@@ -9,6 +9,7 @@ from kernels.base import AttentionBackend
 BACKENDS: dict[str, str] = {
     "torch_sdpa": "kernels.torch_sdpa:TorchSdpaBackend",
     "torch_ref": "kernels.torch_ref:TorchRefBackend",
+    "cpu_native": "kernels.cpu_native:CpuNativeBackend",
 }
 
 

@@ -38,7 +38,8 @@ class PrefillMeta:
 
 @dataclass
 class SdpaMeta:
-    decode: DecodeMeta | None
+    decode: object | None
+    """The decode group's metadata (DecodeMeta here; subclasses bring their own)."""
     prefills: list[PrefillMeta]
 
 
@@ -61,6 +62,9 @@ class TorchSdpaBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout) -> SdpaMeta:
         decode = self._decode_meta(layout) if layout.num_decodes else None
+        return SdpaMeta(decode, self._prefill_metas(layout))
+
+    def _prefill_metas(self, layout: BatchLayout) -> list[PrefillMeta]:
         prefills = []
         for s in range(layout.num_decodes, layout.num_seqs):
             q0, ql, ctx = layout.query_start[s], layout.query_lens[s], layout.context_lens[s]
@@ -69,7 +73,7 @@ class TorchSdpaBackend(AttentionBackend):
             else:
                 prefills.append(PrefillMeta(q0, q0 + ql, context_slots(layout, s, ctx),
                                             causal_mask(ql, ctx)))
-        return SdpaMeta(decode, prefills)
+        return prefills
 
     def _decode_meta(self, layout: BatchLayout) -> DecodeMeta:
         b = layout.num_decodes

@@ -1,0 +1,202 @@
+"""Offline throughput: tierserve against Hugging Face transformers on the same model, in one run.
+
+    python bench/throughput.py                  # full run (a few minutes on 2 cores)
+    python bench/throughput.py --skip-hf        # tierserve only
+
+Workload (in the spirit of nano-vllm's bench): a fixed seed, N requests, prompt lengths and output
+lengths drawn uniformly, random token ids, ignore_eos. transformers runs the same requests in
+static batches (left-padded, each batch decodes to its longest output); both count only the
+requested output tokens. Same dtype (fp32) and the same torch thread count.
+
+Also: decode-step time at several batch sizes against this machine's fp32 roofline (the model's
+matmul FLOPs per token over a measured large-GEMM FLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.env import configure_threads  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def gemm_flops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def workload(args) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [([rng.randrange(10000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+             rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
+
+
+def run_tierserve(llm: LLM, reqs) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=True)
+    dt = time.perf_counter() - t
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(o for _, o in reqs)
+    return dt
+
+
+def run_hf(path: str, reqs, batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (p, _) in enumerate(chunk):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                           max_new_tokens=max(o for _, o in chunk))
+        log(f"  transformers: {min(i + batch, len(reqs))}/{len(reqs)} requests, "
+            f"{time.perf_counter() - t:.0f} s")
+    return time.perf_counter() - t
+
+
+def decode_steps(llm: LLM, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    eng = llm.engine
+    rng = random.Random(1)
+    res = {}
+    for b in batches:
+        ids = [f"d{b}-{i}" for i in range(b)]
+        for rid in ids:
+            eng.add_request(rid, [rng.randrange(10000) for _ in range(context)],
+                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                           for r in eng.scheduler.running):
+            eng.step()
+        for _ in range(2):
+            eng.step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        res[b] = (time.perf_counter() - t) / steps
+        eng.abort_request(ids)
+        log(f"  decode batch {b}: {res[b] * 1e3:.1f} ms/step")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-prompt", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--decode-batches", default="1,8,32,64")
+    ap.add_argument("--decode-context", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
+    args = ap.parse_args()
+
+    threads = configure_threads(args.threads)
+    llm = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=3 << 30,
+              num_threads=threads)
+    mc = llm.engine.model_config
+    flops = gemm_flops()
+    roof = flops / mc.flops_per_token()
+    log(f"roofline: large fp32 GEMM {flops / 1e9:.0f} GFLOP/s, {mc.flops_per_token() / 1e9:.3f} "
+        f"GFLOP/token -> {roof:.0f} tok/s")
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    steps = decode_steps(llm, batches, args.decode_context, args.decode_steps)
+
+    reqs = workload(args)
+    out_tokens = sum(o for _, o in reqs)
+    log(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+        f"{out_tokens} output tokens")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+    ours = run_tierserve(llm, reqs)
+    hf = None if args.skip_hf else run_hf(llm.engine.model_path, reqs, args.hf_batch_size)
+
+    print(f"\n## tierserve vs transformers ({threads} threads, fp32, backend "
+          f"{llm.engine.runner.backend.name})\n")
+    print("| engine | time (s) | output tok/s |")
+    print("|---|---:|---:|")
+    print(f"| tierserve | {ours:.1f} | {out_tokens / ours:.1f} |")
+    if hf is not None:
+        print(f"| transformers (static batches of {args.hf_batch_size}) | {hf:.1f} | "
+              f"{out_tokens / hf:.1f} |")
+        print(f"\nratio: tierserve / transformers = **{hf / ours:.2f}x**")
+    print(f"\n## decode step (context {args.decode_context}; roofline {roof:.0f} tok/s from "
+          f"{flops / 1e9:.0f} GFLOP/s)\n")
+    print("| batch | ms/step | tok/s | % of roofline |")
+    print("|---:|---:|---:|---:|")
+    for b, dt in steps.items():
+        print(f"| {b} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.0f}% |")
+
+    result = {"threads": threads, "gemm_gflops": flops / 1e9, "roofline_tok_s": roof,
+              "tierserve_s": ours, "transformers_s": hf, "output_tokens": out_tokens,
+              "decode_ms": {b: dt * 1e3 for b, dt in steps.items()}, "args": vars(args)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["tierserve"] + (["transformers"] if r["transformers_s"] else [])
+    vals = [r["output_tokens"] / r["tierserve_s"]] + (
+        [r["output_tokens"] / r["transformers_s"]] if r["transformers_s"] else [])
+    a.bar(names, vals, color=["tab:blue", "tab:gray"][:len(vals)])
+    a.set_ylabel("output tok/s")
+    a.set_title("offline throughput")
+    bs = list(r["decode_ms"])
+    tps = [int(k) / (v / 1e3) for k, v in r["decode_ms"].items()]
+    b.plot(bs, tps, "o-", label="tierserve decode")
+    b.axhline(r["roofline_tok_s"], color="red", ls="--", label="fp32 roofline")
+    b.set_xlabel("batch")
+    b.set_ylabel("tok/s")
+    b.set_title("decode step")
+    b.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
