@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
 def _cpu_tag() -> str:
-    """Binaries are built with -march=native: key the cache by this CPU's model and flags."""
+    """Binaries are built with -march=native: key the cache by this CPU, the source and flags."""
     info = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -35,7 +38,7 @@ def _cpu_tag() -> str:
         pass
     with open(_SRC, "rb") as f:
         src = f.read()
-    return hashlib.sha256(info.encode() + src).hexdigest()[:12]
+    return hashlib.sha256(info.encode() + src + " ".join(_CFLAGS).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -49,7 +52,8 @@ def load_extension():
     os.makedirs(build_dir, exist_ok=True)
     try:
         return load(name=name, sources=[_SRC], build_directory=build_dir,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, build error: fall back to torch_sdpa
         log.warning("cpu_native kernel unavailable (%s: %s)", type(e).__name__, str(e)[:200])
         return None

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <vector>
 
+// -fopenmp makes ATen's header-inlined parallel_for actually run on torch's OpenMP threads
+// (libgomp.so.1, the one torch already loaded).
 static inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
