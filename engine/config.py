@@ -107,13 +107,19 @@ class EngineConfig:
     dtype: str = "float32"
     """Compute dtype of weights and activations."""
     kv_cache_dtype: str = "auto"
-    """KV dtype: 'auto' follows dtype."""
+    """KV cache dtype: 'auto' (the compute dtype), float32, float16 (fp16), bfloat16 (bf16) or
+    fp8_e4m3 (one byte per value, stored as x / kv_cache_scale; halves KV bytes everywhere)."""
+    kv_cache_scale: float = 1.0
+    """Dequantization scale of an fp8_e4m3 KV cache (ignored for other KV dtypes)."""
     device: str = "cpu"
     """Torch device."""
     seed: int = 0
     """Seed of the sampler for requests without a seed of their own."""
     attention_backend: str | None = None
-    """Force an attention backend by name; None lets the router choose."""
+    """Force an attention backend by name ('NAME', or 'prefill=NAME,decode=NAME'); None lets the
+    router choose. A backend that cannot run this model here stops start-up with the reasons."""
+    backend_profile: str | None = None
+    """Backend timings written by `tierserve bench-backends`; None: ~/.cache/tierserve/."""
     num_threads: int | None = None
     """Torch intra-op threads; None uses the cores available to this process."""
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -21,6 +21,7 @@ from engine.sampler import TopLogprobs
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import TextTokenizer
+from kernels.kv_dtype import kv_elem_size
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class LLMEngine:
         self.tokenizer = TextTokenizer(src.tokenizer)
         self.model_path = src.path
         bs = config.cache.block_size
-        kv_elem = 2 if config.kv_cache_dtype in ("float16", "bfloat16") else (
-            2 if config.kv_cache_dtype == "auto" and config.dtype != "float32" else 4)
+        kv_elem = kv_elem_size(config.kv_cache_dtype, config.dtype)
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // (bs * src.config.kv_bytes_per_token(kv_elem)))
         self.max_model_len = min(config.scheduler.max_model_len,

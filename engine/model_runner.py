@@ -15,8 +15,11 @@ from engine.models import model_class
 from engine.request import RequestId
 from engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from engine.scheduler import SchedulerOutput
-from kernels import BatchLayout, ForwardContext, create_backend, forward_context
-from kernels.router import Route, RouteQuery, route
+from kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
+from kernels.composite import PhaseSplit
+from kernels.kv_dtype import kv_torch_dtype
+from kernels.profile import load_profile
+from kernels.router import Route, RouteQuery, describe, route_phases
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,12 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.model = self._build_model(weights)
-        self.route, self.backend = self._choose_backend()
+        self.routes, self.backend = self._choose_backend()
         slots = num_blocks * self.block_size
         self.kv_caches = [torch.zeros(2, model_cfg.num_kv_heads, slots, model_cfg.head_dim,
                                       dtype=self.kv_dtype, device=self.device)
@@ -66,21 +69,42 @@ class ModelRunner:
         model.pack_weights(batch_hint=64)
         return model
 
-    def _choose_backend(self):
+    def _choose_backend(self) -> tuple[dict[str, Route], AttentionBackend]:
+        """Route prefill and decode separately: one backend when both agree, else a PhaseSplit."""
         mc = self.model_cfg
+        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         q = RouteQuery(self.device.type, self.dtype, self.config.kv_cache_dtype, mc.head_dim,
-                       mc.num_heads, mc.num_kv_heads, self.block_size)
+                       mc.num_heads, mc.num_kv_heads, self.block_size, capability=cap)
+        routes = route_phases(q, self.config.attention_backend,
+                              load_profile(self.config.backend_profile))
+        built: dict[str, AttentionBackend] = {}  # routed name -> instance (maybe a fallback)
+        for r in routes.values():
+            if r.backend not in built:
+                built[r.backend] = self._create_backend(r)
+        pre, dec = (built[routes[p].backend] for p in ("prefill", "decode"))
+        for r, be in ((routes["prefill"], pre), (routes["decode"], dec)):
+            if be.name != r.backend:  # the routed backend failed to build
+                r.rejected.pop(be.name, None)
+                r.rejected[r.backend] = getattr(be, "fallback_reason", "failed to build")
+                r.backend = be.name
+        log.info("attention backends:\n%s", describe(routes))
+        return routes, dec if pre is dec else PhaseSplit(prefill=pre, decode=dec)
+
+    def _create_backend(self, r: Route) -> AttentionBackend:
+        mc = self.model_cfg
         args = (mc.num_heads, mc.num_kv_heads, mc.head_dim, 1.0 / math.sqrt(mc.head_dim))
-        chosen = route(q, self.config.attention_backend)
+        kw = dict(kv_scale=self.config.kv_cache_scale, device=self.device, dtype=self.dtype,
+                  kv_dtype=self.kv_dtype)
         try:
-            return chosen, create_backend(chosen.backend, *args)
+            return create_backend(r.backend, *args, **kw)
         except RuntimeError as e:  # e.g. a native kernel that failed to build
             if self.config.attention_backend:
                 raise
-            chosen.rejected[chosen.backend] = str(e)
             fallback = "torch_sdpa"
-            log.warning("attention backend %s unavailable (%s); using %s", chosen.backend, e, fallback)
-            return Route(fallback, chosen.rejected), create_backend(fallback, *args)
+            log.warning("attention backend %s unavailable (%s); using %s", r.backend, e, fallback)
+            be = create_backend(fallback, *args, **kw)
+            be.fallback_reason = str(e)
+            return be
 
     @property
     def kv_bytes(self) -> int:

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from kernels.kv_dtype import dequantize, is_fp8, quantize
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -30,8 +32,11 @@ class Capabilities:
     min_capability: tuple[int, int] | None = None
     max_capability: tuple[int, int] | None = None
     sparse: bool = False
+    """Sparse (top-k block) attention."""
     requires: tuple[str, ...] = ()
     """Python packages that must import."""
+    min_capability_for: tuple[tuple[str, tuple[int, int]], ...] = ()
+    """(dtype or KV dtype name, lowest CUDA compute capability that runs it), e.g. fp8 on 8.9."""
 
 
 @dataclass(frozen=True)
@@ -57,16 +62,40 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def decode_part(self) -> BatchLayout:
+        """The leading decodes alone (their tokens are the first num_decodes of the batch)."""
+        b = self.num_decodes
+        return BatchLayout(b, self.query_lens[:b], self.context_lens[:b], self.query_start[:b + 1],
+                           self.block_tables[:b], self.slot_mapping[:b], self.block_size)
+
+    def prefill_part(self) -> BatchLayout:
+        """The prefill chunks alone, token offsets rebased to the first prefill token."""
+        b = self.num_decodes
+        t0 = self.query_start[b]
+        return BatchLayout(0, self.query_lens[b:], self.context_lens[b:],
+                           [s - t0 for s in self.query_start[b:]], self.block_tables[b:],
+                           self.slot_mapping[t0:], self.block_size)
+
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kv_scale: float = 1.0, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.kv_scale = kv_scale
+        """fp8 KV caches store x / kv_scale; other dtypes ignore it."""
+        self.device = torch.device(device)
+        """Where the KV cache lives; metadata is built there."""
+        self.dtype = dtype
+        """Compute dtype of q, k, v."""
+        self.kv_dtype = kv_dtype or dtype
+        """Storage dtype of the KV cache."""
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> Any:
@@ -78,8 +107,17 @@ class AttentionBackend(ABC):
         """q [T, H, D], k/v [T, Hkv, D] of this step's tokens, already written to kv_cache.
         Returns [T, H * D]."""
 
-    @staticmethod
-    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        kv_cache[0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-        kv_cache[1].index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+        """Store this step's K and V at their slots, quantizing for an fp8 cache."""
+        k = quantize(k, kv_cache.dtype, self.kv_scale).transpose(0, 1)
+        v = quantize(v, kv_cache.dtype, self.kv_scale).transpose(0, 1)
+        slot_mapping = slot_mapping.to(kv_cache.device, non_blocking=True)
+        if is_fp8(kv_cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        kv_cache[0].index_copy_(1, slot_mapping, k)
+        kv_cache[1].index_copy_(1, slot_mapping, v)
+
+    def read_kv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache values gathered by a torch backend, in compute dtype (fp8 dequantized)."""
+        return dequantize(x, dtype, self.kv_scale)

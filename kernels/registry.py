@@ -10,6 +10,8 @@ BACKENDS: dict[str, str] = {
     "torch_sdpa": "kernels.torch_sdpa:TorchSdpaBackend",
     "torch_ref": "kernels.torch_ref:TorchRefBackend",
     "cpu_native": "kernels.cpu_native:CpuNativeBackend",
+    "triton": "kernels.triton_attn:TritonBackend",
+    "flashinfer": "kernels.flashinfer_attn:FlashInferBackend",
 }
 
 
@@ -21,5 +23,6 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def create_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                   scale: float) -> AttentionBackend:
-    return backend_class(name)(num_heads, num_kv_heads, head_dim, scale)
+                   scale: float, **kwargs) -> AttentionBackend:
+    """kwargs: kv_scale, device (see AttentionBackend)."""
+    return backend_class(name)(num_heads, num_kv_heads, head_dim, scale, **kwargs)

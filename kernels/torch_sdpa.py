@@ -57,7 +57,8 @@ class TorchSdpaBackend(AttentionBackend):
     capabilities = Capabilities(
         device_types=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        kv_dtypes=("auto", "float32", "float16", "bfloat16"),
+        kv_dtypes=("auto", "float32", "float16", "bfloat16", "fp8_e4m3"),
+        min_capability_for=(("bfloat16", (8, 0)),),
     )
 
     def build_metadata(self, layout: BatchLayout) -> SdpaMeta:
@@ -71,8 +72,8 @@ class TorchSdpaBackend(AttentionBackend):
             if ql == ctx:
                 prefills.append(PrefillMeta(q0, q0 + ql, None, None))
             else:
-                prefills.append(PrefillMeta(q0, q0 + ql, context_slots(layout, s, ctx),
-                                            causal_mask(ql, ctx)))
+                prefills.append(PrefillMeta(q0, q0 + ql, context_slots(layout, s, ctx).to(self.device),
+                                            causal_mask(ql, ctx).to(self.device)))
         return prefills
 
     def _decode_meta(self, layout: BatchLayout) -> DecodeMeta:
@@ -86,7 +87,7 @@ class TorchSdpaBackend(AttentionBackend):
         slots = slots.masked_fill(pad, 0).reshape(-1)
         bias = torch.zeros(b, width).masked_fill_(pad, float("-inf"))
         bias = bias.unsqueeze(1).repeat(self.num_kv_heads, 1, 1)
-        return DecodeMeta(b, width, slots, bias)
+        return DecodeMeta(b, width, slots.to(self.device), bias.to(self.device))
 
     def forward(self, q, k, v, kv_cache, meta: SdpaMeta):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
@@ -99,8 +100,8 @@ class TorchSdpaBackend(AttentionBackend):
     def _decode(self, q, kv_cache, m: DecodeMeta):
         hkv, d, b = self.num_kv_heads, self.head_dim, m.batch
         g = self.num_heads // hkv
-        kg = kv_cache[0].index_select(1, m.slots).view(hkv * b, m.width, d).to(q.dtype)
-        vg = kv_cache[1].index_select(1, m.slots).view(hkv * b, m.width, d).to(q.dtype)
+        kg = self.read_kv(kv_cache[0].index_select(1, m.slots), q.dtype).view(hkv * b, m.width, d)
+        vg = self.read_kv(kv_cache[1].index_select(1, m.slots), q.dtype).view(hkv * b, m.width, d)
         qd = q[:b].view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)
         scores = torch.baddbmm(m.bias.to(q.dtype), qd, kg.transpose(1, 2), alpha=self.scale)
         o = torch.bmm(torch.softmax(scores, dim=-1), vg)
@@ -114,8 +115,8 @@ class TorchSdpaBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
         else:
-            kk = kv_cache[0].index_select(1, p.slots).unsqueeze(0).to(q.dtype)
-            vv = kv_cache[1].index_select(1, p.slots).unsqueeze(0).to(q.dtype)
+            kk = self.read_kv(kv_cache[0].index_select(1, p.slots), q.dtype).unsqueeze(0)
+            vv = self.read_kv(kv_cache[1].index_select(1, p.slots), q.dtype).unsqueeze(0)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=p.mask, scale=self.scale,
                                                enable_gqa=True)
         return o[0].transpose(0, 1).reshape(p.q1 - p.q0, -1)

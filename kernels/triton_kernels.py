@@ -1,0 +1,165 @@
+"""Triton paged attention kernels over the [2, Hkv, slots, D] cache (imported only when used).
+
+Both kernels find a context position's slot through the block table inside the kernel, so any
+page size works and no K/V gather is ever materialized. fp8 caches are dequantized on load.
+
+Decode (flash-decoding): one program per (sequence, KV head, split of the context). The GQA group
+of query heads sharing the KV head is one [G, D] tile, so each K/V tile is read once per group.
+Splits write partial (max, sum, acc) that `combine_splits` merges; with few sequences the splits
+keep every SM busy.
+
+Prefill: one program per (sequence, query head, tile of query rows); keys up to each row's own
+position (bottom-right causal: the chunk's queries sit at the end of the context).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode(Q, K, V, Tables, Lens, Mo, Lo, Acco,
+                  stride_qb, stride_qh, stride_kh, stride_ks, stride_tb,
+                  stride_mb, stride_mh, stride_ab, stride_ah, stride_as,
+                  sm_scale, kv_scale, page_size, split_len,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(Lens + b)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    heads = h * G + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        blk = tl.load(Tables + b * stride_tb + pos // page_size, mask=valid, other=0)
+        slot = blk.to(tl.int64) * page_size + pos % page_size
+        off = h * stride_kh + slot[:, None] * stride_ks + d[None, :]
+        lm = valid[:, None] & dm[None, :]
+        k = (tl.load(K + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+        v = (tl.load(V + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [G, N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    tl.store(Mo + b * stride_mb + heads * stride_mh + sp, m_i, mask=gm)
+    tl.store(Lo + b * stride_mb + heads * stride_mh + sp, l_i, mask=gm)
+    tl.store(Acco + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :], acc,
+             mask=gm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _paged_prefill(Q, K, V, O, Tables, QStart, QLens, CtxLens,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_tb,
+                   sm_scale, kv_scale, page_size,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    s_id = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q0 = tl.load(QStart + s_id)
+    ql = tl.load(QLens + s_id)
+    ctx = tl.load(CtxLens + s_id)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = rows < ql
+    qpos = ctx - ql + rows
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(Q + (q0 + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=rm[:, None] & dm[None, :], other=0.0)
+    kvh = h // G
+    # keys this tile can see: up to its last row's position; none when the tile is past the chunk
+    hi = tl.minimum(ctx, ctx - ql + mb * BLOCK_M + BLOCK_M)
+    hi = tl.where(mb * BLOCK_M < ql, hi, 0)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        blk = tl.load(Tables + s_id * stride_tb + pos // page_size, mask=valid, other=0)
+        slot = blk.to(tl.int64) * page_size + pos % page_size
+        off = kvh * stride_kh + slot[:, None] * stride_ks + d[None, :]
+        lm = valid[:, None] & dm[None, :]
+        k = (tl.load(K + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+        v = (tl.load(V + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [M, N]
+        s = tl.where(valid[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_i = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    tl.store(O + (q0 + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def _precision(dtype: torch.dtype):
+    """fp32 stays exact (IEEE); half types take the default tensor-core path."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 page_size: int, split_len: int, num_splits: int, group: int, sm_scale: float,
+                 kv_scale: float, block_n: int) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    hkv = h // group
+    m = q.new_empty(b, h, num_splits, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = q.new_empty(b, h, num_splits, d, dtype=torch.float32)
+    k, v = kv_cache[0], kv_cache[1]
+    _paged_decode[(b, hkv, num_splits)](
+        q, k, v, tables, lens, m, l_, acc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), tables.stride(0),
+        m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        sm_scale, kv_scale, page_size, split_len,
+        G=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, PRECISION=_precision(q.dtype))
+    return combine_splits(m, l_, acc).to(q.dtype)
+
+
+def combine_splits(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Merge per-split softmax partials: m, l [B, H, S], acc [B, H, S, D] -> [B, H, D]."""
+    if m.shape[-1] == 1:
+        return acc[:, :, 0] / l_
+    w = torch.exp(m - m.amax(-1, keepdim=True))                 # empty splits weigh 0
+    return (acc * w[..., None]).sum(2) / (l_ * w).sum(-1, keepdim=True)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                  q_start: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
+                  max_q_len: int, page_size: int, group: int, sm_scale: float, kv_scale: float,
+                  block_m: int, block_n: int) -> torch.Tensor:
+    """q [T, H, D] of the prefill chunks -> [T, H, D]."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    k, v = kv_cache[0], kv_cache[1]
+    grid = (q_lens.shape[0], h, triton.cdiv(max_q_len, block_m))
+    _paged_prefill[grid](
+        q, k, v, out, tables, q_start, q_lens, ctx_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1),
+        tables.stride(0), sm_scale, kv_scale, page_size,
+        G=group, D=d, BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype))
+    return out
