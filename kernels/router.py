@@ -27,6 +27,8 @@ PRIORITY = {
     ("cuda", "decode"): ["flashinfer", "triton", "torch_sdpa", "torch_ref"],
 }
 FALLBACK_PRIORITY = ["torch_sdpa", "torch_ref"]
+TIE = 1.10
+"""A measured backend displaces a higher-priority one only when more than 10% faster (noise)."""
 
 
 @dataclass(frozen=True)
@@ -157,10 +159,11 @@ def route(q: RouteQuery, override: str | None = None,
         raise ValueError(f"no attention backend can run {q.phase} here: " +
                          "; ".join(f"{n}: {r}" for n, r in reasons.items()))
     timings = (profile or {}).get(q.shape_key, {}).get(q.phase, {})
-    measured = sorted((timings[n], n) for n in valid if n in timings)
+    measured = [n for n in valid if n in timings]
     if measured:
-        best_ms, chosen = measured[0]
-        basis = "profile"
+        best_ms = min(timings[n] for n in measured)
+        chosen = next(n for n in measured if timings[n] <= best_ms * TIE)  # priority order
+        best_ms, basis = timings[chosen], "profile"
     else:
         chosen, basis = valid[0], "priority"
     rejected = {}
@@ -169,6 +172,9 @@ def route(q: RouteQuery, override: str | None = None,
             continue
         if reasons[n] is not None:
             rejected[n] = reasons[n]
+        elif basis == "profile" and n in timings and timings[n] < best_ms:
+            rejected[n] = (f"not >10% faster here than {chosen} ({timings[n]:.3g} ms vs "
+                           f"{best_ms:.3g} ms), lower priority")
         elif basis == "profile" and n in timings:
             rejected[n] = f"slower here ({timings[n]:.3g} ms vs {best_ms:.3g} ms for {chosen})"
         elif basis == "profile":

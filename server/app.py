@@ -16,7 +16,7 @@ from engine.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.errors import ApiError, error_response, validation_message
 from server.metrics import ServerMetrics
-from server.routes import chat, completions, models
+from server.routes import backends, chat, completions, models
 from server.serving import ServerContext
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="tierserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server (see docs/api.md).")
     app.state.ctx = ctx
-    for r in (completions.router, chat.router, models.router):
+    for r in (completions.router, chat.router, models.router, backends.router):
         app.include_router(r)
     _install_error_handlers(app, metrics)
     app.add_middleware(RequestGate, config=config)

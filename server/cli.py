@@ -100,6 +100,79 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    """A device and an attention shape, for route and bench-backends (no GPU or model needed)."""
+    p.add_argument("--device", default="cpu", help="device type: cpu or cuda")
+    p.add_argument("--capability", default=None, help="CUDA compute capability, e.g. 9.0")
+    p.add_argument("--dtype", default="float32", help="model dtype: float32, float16, bfloat16")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=9, help="query heads")
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, float16, bfloat16, fp8_e4m3")
+    p.add_argument("--page-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--profile", default=None, help="bench-backends profile (default: "
+                   "~/.cache/tierserve/backend_profile.json)")
+
+
+def _route_query(args: argparse.Namespace):
+    import torch
+
+    from kernels.router import RouteQuery
+    cap = tuple(int(x) for x in args.capability.split(".")) if args.capability else None
+    return RouteQuery(args.device, getattr(torch, args.dtype), args.kv_cache_dtype, args.head_dim,
+                      args.num_heads, args.num_kv_heads, args.page_size, capability=cap,
+                      sparse=getattr(args, "sparse", False))
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    import json
+
+    from kernels.profile import load_profile
+    from kernels.router import describe, route_phases
+    try:
+        q = _route_query(args)
+        routes = route_phases(q, args.attention_backend, load_profile(args.profile))
+    except (ValueError, AttributeError) as e:
+        print(f"tierserve route: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"shape": q.shape_key, **{p: r.to_json() for p, r in routes.items()}},
+                         indent=1))
+    else:
+        print(f"shape: {q.shape_key}\n{describe(routes)}")
+    return 0
+
+
+def cmd_bench_backends(args: argparse.Namespace) -> int:
+    import torch
+
+    from kernels.bench import time_backend
+    from kernels.profile import save_profile
+    from kernels.router import PHASES, route
+    if args.device == "cuda" and args.capability is None:
+        args.capability = "%d.%d" % torch.cuda.get_device_capability()
+    q = _route_query(args)
+    timings: dict[str, dict[str, float]] = {}
+    for phase in PHASES:
+        pq = dataclasses.replace(q, phase=phase)
+        chosen = route(pq)
+        valid = [chosen.backend] + [n for n, why in chosen.rejected.items()
+                                    if why.startswith("lower priority")]
+        timings[phase] = {}
+        for name in valid:
+            try:
+                ms = time_backend(name, phase, q.num_heads, q.num_kv_heads, q.head_dim,
+                                  q.page_size, q.kv_dtype, q.dtype, args.device)
+            except RuntimeError as e:  # a kernel that cannot build here is left unmeasured
+                print(f"{phase:8s} {name:12s} failed: {e}", file=sys.stderr)
+                continue
+            timings[phase][name] = ms
+            print(f"{phase:8s} {name:12s} {ms:9.3f} ms")
+    path = save_profile(args.profile, q.shape_key, timings)
+    print(f"wrote {path} [{q.shape_key}]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
+    rt = sub.add_parser("route", help="print the attention backend decision for a device and shape")
+    _add_shape_flags(rt)
+    rt.add_argument("--sparse", action="store_true", help="the model uses sparse attention")
+    rt.add_argument("--attention-backend", default=None,
+                    help="validate this choice (NAME or prefill=NAME,decode=NAME)")
+    rt.add_argument("--json", action="store_true", help="machine-readable output")
+    rt.set_defaults(func=cmd_route)
+    bb = sub.add_parser("bench-backends", help="time every valid attention backend for a shape on "
+                        "this machine and write the profile the router prefers")
+    _add_shape_flags(bb)
+    bb.set_defaults(func=cmd_bench_backends)
     return parser
 
 

@@ -41,6 +41,14 @@ class ServerConfig:
     """Reuse KV blocks of identical prompt prefixes."""
     dtype: str = "float32"
     """Compute dtype."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: auto (the compute dtype), float16, bfloat16 or fp8_e4m3."""
+    kv_cache_scale: float = 1.0
+    """Dequantization scale of an fp8_e4m3 KV cache."""
+    attention_backend: str | None = None
+    """Force an attention backend (NAME or prefill=NAME,decode=NAME); see `tierserve route`."""
+    backend_profile: str | None = None
+    """Timings from `tierserve bench-backends` (default ~/.cache/tierserve/backend_profile.json)."""
     num_threads: int | None = None
     """Torch threads; None uses every core available."""
     seed: int = 0
@@ -64,6 +72,7 @@ class ServerConfig:
         """Flat keyword arguments for engine.llm.build_config."""
         keys = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "dtype",
+                "kv_cache_dtype", "kv_cache_scale", "attention_backend", "backend_profile",
                 "num_threads", "seed")
         return {k: getattr(self, k) for k in keys}
 

@@ -4,62 +4,17 @@ triton runs under TRITON_INTERPRET=1 (set before triton is first imported)."""
 
 from __future__ import annotations
 
-import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from kernels import BatchLayout, create_backend  # noqa: E402
+from kernels import create_backend  # noqa: E402
+from kernels.bench import make_batch, rel_err, run_backend as run  # noqa: E402
 from kernels.composite import PhaseSplit  # noqa: E402
-from kernels.kv_dtype import kv_torch_dtype  # noqa: E402
 
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
-
-
-def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, kv_dtype: str = "float32", seed: int = 0):
-    """seqs: (query_len, context_len), decodes (query_len 1) first. Blocks are assigned in a
-    shuffled order so no sequence's pages are contiguous. Returns q, k, v, cache, layout; the
-    step's own k/v are not yet written (the caller's backend writes them)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per = [-(-ctx // block_size) for _, ctx in seqs]
-    perm = torch.randperm(sum(blocks_per) + 3, generator=gen)[:sum(blocks_per)] + 1
-    width = max(blocks_per)
-    tables = torch.zeros(len(seqs), width, dtype=torch.long)
-    num_blocks = sum(blocks_per) + 4
-    cache = torch.randn(2, num_kv_heads, num_blocks * block_size, head_dim, generator=gen)
-    cache = cache.to(kv_torch_dtype(kv_dtype, torch.float32))
-    qstart, slots, used = [0], [], 0
-    for i, ((ql, ctx), nb) in enumerate(zip(seqs, blocks_per)):
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-        pos = torch.arange(ctx - ql, ctx)
-        slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
-        qstart.append(qstart[-1] + ql)
-    t = qstart[-1]
-    q = torch.randn(t, num_heads, head_dim, generator=gen)
-    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    num_decodes = next((i for i, (ql, _) in enumerate(seqs) if ql != 1), len(seqs))
-    layout = BatchLayout(num_decodes, [s[0] for s in seqs], [s[1] for s in seqs], qstart, tables,
-                         torch.cat(slots), block_size)
-    return q, k, v, cache, layout
-
-
-def run(name_or_backend, q, k, v, cache, layout, kv_scale=1.0):
-    h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    be = (create_backend(name_or_backend, h, hkv, d, 1 / math.sqrt(d), kv_scale=kv_scale)
-          if isinstance(name_or_backend, str) else name_or_backend)
-    cache = cache.clone()
-    be.write_kv(k, v, cache, layout.slot_mapping)
-    return be.forward(q, k, v, cache, be.build_metadata(layout))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # (heads, kv heads, head dim, block size, seqs): decode only, prefill only, mixed with chunked
