@@ -79,3 +79,15 @@ def test_phase_split_dispatches_each_phase():
     assert rel_err(run(split, q, k, v, cache, layout), ref) < 1e-5
     assert calls == [("torch_sdpa", 2), ("torch_ref", 13)]
     assert split.name == "prefill=torch_ref,decode=torch_sdpa"
+
+
+def test_gpu_check_dry_run(capsys):
+    """bench/gpu_check.py's logic on the CPU with tiny shapes (the GPU run is separate)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", "bench/gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "| torch_sdpa | h9/kv3/d64/p16 | mixed | fp8_e4m3 |" in out
+    assert "| tiny | greedy agreement routed vs torch_sdpa | 1 |" in out
