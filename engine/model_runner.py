@@ -118,13 +118,15 @@ class ModelRunner:
         t = out.num_batched_tokens
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
                              self.kv_caches)
+        dev = self.device
         with forward_context(ctx):
-            hidden = self.model(self._tokens[:t], self._positions[:t])
+            hidden = self.model(self._tokens[:t].to(dev, non_blocking=True),
+                                self._positions[:t].to(dev, non_blocking=True))
         prompt_lps = self._prompt_logprobs(out, hidden, layout)
         if not sample_rows:
             return StepResult({}, {}, prompt_lps)
-        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows])
-        logits = self.model.compute_logits(hidden[idx])
+        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows], device=dev)
+        logits = self.model.compute_logits(hidden[idx]).cpu()  # the sampler runs on the host
         reqs = [out.scheduled[i].request for i in sample_rows]
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           self._stop_ids(r.params)) for r in reqs]
@@ -172,7 +174,7 @@ class ModelRunner:
                 continue
             # hidden at position p predicts token p + 1
             rows = hidden[layout.query_start[i]:layout.query_start[i] + end - s.start]
-            lp = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            lp = torch.log_softmax(self.model.compute_logits(rows), dim=-1).cpu()
             nxt = torch.tensor(r.prompt_token_ids[s.start + 1:end + 1])
             res[r.request_id] = gather_logprobs(lp, nxt, [n] * len(nxt))
         return res

@@ -37,6 +37,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused op; in fp32 it is bit-identical to HF's x * rsqrt(mean(x^2) + eps) * w.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -61,7 +64,10 @@ def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table built once up to max_positions."""
+    """Rotate-half RoPE with a cos/sin table built once up to max_positions.
+
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first half:
+    one roll instead of slice, negate and concatenate, and bit-identical."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int):
         super().__init__()
@@ -72,15 +78,10 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D], k [T, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """positions [T]; qk [T, heads, D] (query and key heads side by side)."""
+        cos = self.cos[positions].unsqueeze(1).to(qk.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
+        return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin

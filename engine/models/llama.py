@@ -28,11 +28,11 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.hkv, self.d)
+        qk, v = qkv[:, :self.h + self.hkv], qkv[:, self.h + self.hkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            qk = torch.cat((self.q_norm(qk[:, :self.h]), self.k_norm(qk[:, self.h:])), dim=1)
+        q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer]
         ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)

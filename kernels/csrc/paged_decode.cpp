@@ -1,76 +1,178 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place from the
 // block-paged cache (no gather copy). One task per (sequence, KV head) serves that head's whole
-// GQA group, so every K/V row is read once. Two passes per task: scores (reads K), then the
-// softmax-weighted sum (reads V). fp32 throughout.
+// GQA group, so every K/V row is read once. Three passes per task: scores (reads K), softmax,
+// then the weighted sum of V rows, accumulated in registers when (G, D) is a compiled shape.
+// fp32 throughout.
 //
 // q            [B, H, D]            contiguous
 // kv_cache     [2, Hkv, S, D]       S = num_blocks * block_size
 // block_tables [B, max_blocks]      int64
 // context_lens [B]                  int64
 // out          [B, H, D]
+//
+// -fopenmp makes ATen's header-inlined parallel_for run on torch's OpenMP threads (libgomp.so.1,
+// the one torch already loaded).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-// -fopenmp makes ATen's header-inlined parallel_for actually run on torch's OpenMP threads
-// (libgomp.so.1, the one torch already loaded).
-static inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+namespace {
+
+// exp for x <= 0 (softmax after max subtraction): range reduction to 2^k * e^r, |r| <= ln2/2,
+// degree-6 polynomial; about 2 ulp. Branch-free so `omp simd` vectorizes it.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float k = __builtin_rintf(x * 1.44269504088896341f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
-static inline void axpy(float w, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+inline float softmax_inplace(float* s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpos(s[t] - m);
+    sum += s[t];
+  }
+  return 1.f / sum;
 }
+
+struct Args {
+  const float *q, *k, *v;
+  const int64_t *tables, *lens;
+  float* out;
+  int64_t H, Hkv, S, D, G, max_blocks, block_size;
+  float scale;
+};
+
+// One (sequence, KV head) task with the group size and head dim known at compile time.
+template <int G, int D>
+void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>& scores) {
+  const int64_t n = a.lens[b], bs = a.block_size;
+  const int64_t* table = a.tables + b * a.max_blocks;
+  const float* kh = a.k + h * a.S * D;
+  const float* vh = a.v + h * a.S * D;
+  float q[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) q[g][d] = a.q[(b * a.H + h * G + g) * D + d] * a.scale;
+  scores.resize(G * n);
+  float* s = scores.data();
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const float* kb = kh + table[t0 / bs] * bs * D;
+    const int64_t m = std::min(bs, n - t0);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* krow = kb + i * D;
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < D; ++d) acc += q[g][d] * krow[d];
+        s[g * n + t0 + i] = acc;
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * n, n);
+  float acc[G][D] = {};
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const float* vb = vh + table[t0 / bs] * bs * D;
+    const int64_t m = std::min(bs, n - t0);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* vrow = vb + i * D;
+      for (int g = 0; g < G; ++g) {
+        const float w = s[g * n + t0 + i];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += w * vrow[d];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* o = a.out + (b * a.H + h * G + g) * D;
+    for (int d = 0; d < D; ++d) o[d] = acc[g][d] * inv[g];
+  }
+}
+
+// Any group size and head dim: the same passes with runtime bounds.
+void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& scores) {
+  const int64_t n = a.lens[b], bs = a.block_size, G = a.G, D = a.D;
+  const int64_t* table = a.tables + b * a.max_blocks;
+  const float* qg = a.q + (b * a.H + h * G) * D;
+  float* og = a.out + (b * a.H + h * G) * D;
+  scores.resize(G * n);
+  float* s = scores.data();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* krow = a.k + (h * a.S + table[t / bs] * bs + t % bs) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qg[g * D + d] * krow[d];
+      s[g * n + t] = acc * a.scale;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * n, n);
+  std::fill(og, og + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vrow = a.v + (h * a.S + table[t / bs] * bs + t % bs) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = s[g * n + t] * inv[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[g * D + d] += w * vrow[d];
+    }
+  }
+}
+
+using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
+
+TaskFn pick(int64_t G, int64_t D) {
+#define TS_CASE(g, d) if (G == g && D == d) return task_fixed<g, d>;
+  TS_CASE(1, 64) TS_CASE(2, 64) TS_CASE(3, 64) TS_CASE(4, 64) TS_CASE(8, 64)
+  TS_CASE(1, 128) TS_CASE(2, 128) TS_CASE(4, 128) TS_CASE(8, 128)
+#undef TS_CASE
+  return task_generic;
+}
+
+}  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
   q = q.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = kv_cache.size(1), S = kv_cache.size(2), G = H / Hkv;
-  const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv_cache.data_ptr<float>();
-  const float* vp = kp + Hkv * S * D;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  Args a;
+  a.H = q.size(1);
+  a.D = q.size(2);
+  a.Hkv = kv_cache.size(1);
+  a.S = kv_cache.size(2);
+  a.G = a.H / a.Hkv;
+  a.max_blocks = block_tables.size(1);
+  a.block_size = block_size;
+  a.scale = static_cast<float>(scale);
+  a.q = q.data_ptr<float>();
+  a.k = kv_cache.data_ptr<float>();
+  a.v = a.k + a.Hkv * a.S * a.D;
+  a.tables = block_tables.data_ptr<int64_t>();
+  a.lens = context_lens.data_ptr<int64_t>();
+  a.out = out.data_ptr<float>();
+  const TaskFn fn = pick(a.G, a.D);
+  const int64_t B = q.size(0);
+  at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, n = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      const float* kh = kp + h * S * D;
-      const float* vh = vp + h * S * D;
-      const float* qg = qp + (b * H + h * G) * D;
-      float* og = op + (b * H + h * G) * D;
-      scores.resize(G * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* krow = kh + (table[t / block_size] * block_size + t % block_size) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(qg + g * D, krow, D) * fscale;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-        std::fill(og + g * D, og + (g + 1) * D, 0.f);
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* vrow = vh + (table[t / block_size] * block_size + t % block_size) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + t], vrow, og + g * D, D);
-      }
-    }
+    for (int64_t task = begin; task < end; ++task) fn(a, task / a.Hkv, task % a.Hkv, scores);
   });
   return out;
 }
