@@ -201,8 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.loaders import ModelLoadError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModelLoadError as e:  # a wrong path, a truncated file...: one line, no traceback
+        print(f"tierserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
