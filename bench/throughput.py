@@ -95,7 +95,7 @@ def decode_steps(llm: LLM, batches: list[int], context: int, steps: int) -> dict
         while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                            for r in eng.scheduler.running):
             eng.step()
-        for _ in range(2):
+        for _ in range(4):
             eng.step()
         t = time.perf_counter()
         for _ in range(steps):
@@ -135,6 +135,8 @@ def main() -> None:
     roof = flops / mc.flops_per_token()
     log(f"roofline: large fp32 GEMM {flops / 1e9:.0f} GFLOP/s, {mc.flops_per_token() / 1e9:.3f} "
         f"GFLOP/token -> {roof:.0f} tok/s")
+    # Warm-up: first touches of the KV cache pages, the kernel build, oneDNN's primitive cache.
+    llm.generate([[1, 2, 3] * 100] * 4, SamplingParams(max_tokens=16, ignore_eos=True))
     batches = [int(x) for x in args.decode_batches.split(",") if x]
     steps = decode_steps(llm, batches, args.decode_context, args.decode_steps)
 
@@ -142,7 +144,6 @@ def main() -> None:
     out_tokens = sum(o for _, o in reqs)
     log(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
         f"{out_tokens} output tokens")
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
     ours = run_tierserve(llm, reqs)
     hf = None if args.skip_hf else run_hf(llm.engine.model_path, reqs, args.hf_batch_size)
 
