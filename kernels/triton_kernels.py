@@ -20,6 +20,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, K, V, table_row, pos, valid, mask, kvh, d, dm, m_i, l_i, acc,
+                 stride_kh, stride_ks, sm_scale, kv_scale, page_size, PRECISION: tl.constexpr):
+    """One tile of context positions: find their slots through the block table row, load K/V
+    (dequantized), and fold the tile into the online softmax state (m_i, l_i, acc).
+    `mask` [rows, N] says which scores count (validity, and causality for prefill)."""
+    blk = tl.load(table_row + pos // page_size, mask=valid, other=0)
+    slot = blk.to(tl.int64) * page_size + pos % page_size
+    off = kvh * stride_kh + slot[:, None] * stride_ks + d[None, :]
+    lm = valid[:, None] & dm[None, :]
+    k = (tl.load(K + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+    v = (tl.load(V + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [rows, N]
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode(Q, K, V, Tables, Lens, Mo, Lo, Acco,
                   stride_qb, stride_qh, stride_kh, stride_ks, stride_tb,
                   stride_mb, stride_mh, stride_ab, stride_ah, stride_as,
@@ -45,20 +67,9 @@ def _paged_decode(Q, K, V, Tables, Lens, Mo, Lo, Acco,
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        blk = tl.load(Tables + b * stride_tb + pos // page_size, mask=valid, other=0)
-        slot = blk.to(tl.int64) * page_size + pos % page_size
-        off = h * stride_kh + slot[:, None] * stride_ks + d[None, :]
-        lm = valid[:, None] & dm[None, :]
-        k = (tl.load(K + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
-        v = (tl.load(V + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [G, N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, Tables + b * stride_tb, pos, valid, valid[None, :],
+                                     h, d, dm, m_i, l_i, acc, stride_kh, stride_ks, sm_scale,
+                                     kv_scale, page_size, PRECISION)
     tl.store(Mo + b * stride_mb + heads * stride_mh + sp, m_i, mask=gm)
     tl.store(Lo + b * stride_mb + heads * stride_mh + sp, l_i, mask=gm)
     tl.store(Acco + b * stride_ab + heads[:, None] * stride_ah + sp * stride_as + d[None, :], acc,
@@ -94,20 +105,10 @@ def _paged_prefill(Q, K, V, O, Tables, QStart, QLens, CtxLens,
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        blk = tl.load(Tables + s_id * stride_tb + pos // page_size, mask=valid, other=0)
-        slot = blk.to(tl.int64) * page_size + pos % page_size
-        off = kvh * stride_kh + slot[:, None] * stride_ks + d[None, :]
-        lm = valid[:, None] & dm[None, :]
-        k = (tl.load(K + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
-        v = (tl.load(V + off, mask=lm, other=0.0).to(tl.float32) * kv_scale).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale      # [M, N]
-        s = tl.where(valid[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        causal = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        m_i, l_i, acc = _attend_tile(q, K, V, Tables + s_id * stride_tb, pos, valid, causal,
+                                     kvh, d, dm, m_i, l_i, acc, stride_kh, stride_ks, sm_scale,
+                                     kv_scale, page_size, PRECISION)
     l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(O + (q0 + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
