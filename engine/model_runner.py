@@ -18,6 +18,7 @@ from engine.scheduler import SchedulerOutput
 from kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
 from kernels.composite import PhaseSplit
 from kernels.kv_dtype import kv_torch_dtype
+from kernels.native import fused_ops
 from kernels.profile import load_profile
 from kernels.router import Route, RouteQuery, describe, route_phases
 
@@ -57,7 +58,9 @@ class ModelRunner:
         self._positions = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
         self._tables = torch.zeros(sc.max_num_seqs, -(-max_model_len // self.block_size),
                                    dtype=torch.long)
-        self.sampler = Sampler(config.seed)
+        self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self.model.use_native_ops(self.native)
+        self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
 
     def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:

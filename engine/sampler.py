@@ -57,15 +57,22 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: list[int]) 
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax=None):
         self.generator = torch.Generator().manual_seed(seed)
+        self._argmax = argmax
+        """A native row argmax for contiguous fp32 logits (a single pass, no thread wake-up)."""
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._argmax is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            return self._argmax(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         logits = self._process(logits, rows)
         greedy = torch.tensor([r.params.greedy for r in rows])
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax(logits)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._draw(logits, rows))
         logprobs: list[TopLogprobs | None] = [None] * len(rows)

@@ -118,6 +118,11 @@ class AttentionBackend(ABC):
         kv_cache[0].index_copy_(1, slot_mapping, k)
         kv_cache[1].index_copy_(1, slot_mapping, v)
 
+    def plain_kv_store(self, kv_cache: torch.Tensor) -> bool:
+        """True when write_kv is a plain copy into the [2, Hkv, slots, D] layout (no quantization):
+        a fused model op may then store K/V itself."""
+        return type(self).write_kv is AttentionBackend.write_kv and kv_cache.dtype == self.dtype
+
     def read_kv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache values gathered by a torch backend, in compute dtype (fp8 dequantized)."""
         return dequantize(x, dtype, self.kv_scale)

@@ -3,60 +3,18 @@ chunks through torch SDPA (inherited).
 
 The gather that torch_sdpa does for decode writes every context token's K and V to a scratch
 tensor and reads it back: three times the bytes attention needs. The kernel (csrc/paged_decode.cpp)
-is compiled on first use with the host's compiler for this CPU, and cached.
+is part of the native extension (kernels/native.py), compiled on first use for this CPU.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import platform
 from dataclasses import dataclass
 
 import torch
 
 from kernels.base import BatchLayout, Capabilities
+from kernels.native import load_extension
 from kernels.torch_sdpa import TorchSdpaBackend
-
-log = logging.getLogger(__name__)
-
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-
-
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _cpu_tag() -> str:
-    """Binaries are built with -march=native: key the cache by this CPU, the source and flags."""
-    info = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = "".join(l for l in f if l.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        pass
-    with open(_SRC, "rb") as f:
-        src = f.read()
-    return hashlib.sha256(info.encode() + src + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-
-
-@functools.cache
-def load_extension():
-    """The compiled kernel module, or None (with the reason logged) where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    name = f"tierserve_paged_decode_{_cpu_tag()}"
-    build_dir = os.path.join(os.path.expanduser(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")),
-                             "ext", name)
-    os.makedirs(build_dir, exist_ok=True)
-    try:
-        return load(name=name, sources=[_SRC], build_directory=build_dir,
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, build error: fall back to torch_sdpa
-        log.warning("cpu_native kernel unavailable (%s: %s)", type(e).__name__, str(e)[:200])
-        return None
 
 
 @dataclass

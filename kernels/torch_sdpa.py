@@ -90,6 +90,8 @@ class TorchSdpaBackend(AttentionBackend):
         return DecodeMeta(b, width, slots.to(self.device), bias.to(self.device))
 
     def forward(self, q, k, v, kv_cache, meta: SdpaMeta):
+        if not meta.prefills and meta.decode is not None and meta.decode.batch == q.shape[0]:
+            return self._decode(q, kv_cache, meta.decode)  # all decodes: no copy into `out`
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.decode is not None:
             out[:meta.decode.batch] = self._decode(q, kv_cache, meta.decode)

@@ -31,12 +31,28 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """norm(x), or with a residual stream: residual += x, then norm(residual) (vLLM's fused form).
+
+    `ops` is the native extension (kernels/native.py) when the model runs in fp32 on the CPU: the
+    residual form is then one in-place pass instead of an add, a norm and their thread wake-ups."""
+
+    ops = None
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        if self.ops is not None:
+            self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; in fp32 it is bit-identical to HF's x * rsqrt(mean(x^2) + eps) * w.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -81,7 +97,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """positions [T]; qk [T, heads, D] (query and key heads side by side)."""
+        """positions [T]; qk [T, heads, D] (query and key heads side by side). With the native
+        ops the model calls rope_store_kv_ instead: the same arithmetic, in place, K/V stored."""
         cos = self.cos[positions].unsqueeze(1).to(qk.dtype)
         sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
         return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin

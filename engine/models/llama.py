@@ -16,6 +16,10 @@ from kernels.context import get_forward_context
 
 
 class Attention(nn.Module):
+    ops = None
+    """The native extension on CPU fp32 (see RMSNorm); rope_store_kv_ then rotates q/k in place
+    and stores K/V in one pass, where the cache is a plain fp32 one."""
+
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
         super().__init__()
         self.layer = layer
@@ -28,24 +32,34 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.hkv, self.d)
-        qk, v = qkv[:, :self.h + self.hkv], qkv[:, self.h + self.hkv:]
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.h]), self.k_norm(qk[:, self.h:])), dim=1)
-        q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer]
-        ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
+        flat = self.qkv_proj(x)
+        qkv = flat.view(t, self.h + 2 * self.hkv, self.d)
+        if self.ops is not None and self.q_norm is None and ctx.backend.plain_kv_store(cache):
+            self.ops.rope_store_kv_(flat, positions, self.rope.cos, self.rope.sin, cache,
+                                    ctx.slot_mapping, self.h, self.hkv)
+            q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
+        else:
+            qk, v = qkv[:, :self.h + self.hkv], qkv[:, self.h + self.hkv:]
+            if self.q_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :self.h]), self.k_norm(qk[:, self.h:])), dim=1)
+            q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
+            ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
         return self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata))
 
 
 class MLP(nn.Module):
+    ops = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -58,9 +72,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream kept apart (vLLM's form): returns (mlp output, residual before it)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,10 +97,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled: [N, hidden] -> [N, vocab] fp32."""
@@ -114,6 +134,12 @@ class LlamaForCausalLM(nn.Module):
         head = weights.get("lm_head.weight")
         self.lm_head.weight.copy_(head if head is not None and not self.config.tie_word_embeddings
                                   else weights["model.embed_tokens.weight"])
+
+    def use_native_ops(self, ops) -> None:
+        """Route the element-wise ops through the native extension (CPU, fp32), or back (None)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.ops = ops
 
     def pack_weights(self, batch_hint: int) -> None:
         for m in self.modules():

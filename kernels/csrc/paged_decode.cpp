@@ -12,7 +12,8 @@
 //
 // -fopenmp makes ATen's header-inlined parallel_for run on torch's OpenMP threads (libgomp.so.1,
 // the one torch already loaded).
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -52,27 +53,11 @@ inline void scores8(const float (&q)[G][D], const float* k, float* s, int64_t n)
 #endif
 
 // Blocks are scattered in memory, so the hardware prefetcher stops at each block's end: ask for
-// the next block's cache lines while this one is computed.
+// a later block's cache lines while this one is computed. Into L2 (locality 1, prefetcht2): with
+// L1 as the target the misses queue up behind its few fill buffers (measured on Zen 4 with
+// round-robin block tables: 38 ms against 54 ms for 30 layers at batch 64, context 256).
 inline void prefetch_block(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
-
-// exp for x <= 0 (softmax after max subtraction): range reduction to 2^k * e^r, |r| <= ln2/2,
-// degree-6 polynomial; about 2 ulp. Branch-free so `omp simd` vectorizes it.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = __builtin_rintf(x * 1.44269504088896341f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 1);
 }
 
 inline float softmax_inplace(float* s, int64_t n) {
@@ -82,7 +67,7 @@ inline float softmax_inplace(float* s, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpos(s[t] - m);
+    s[t] = fast_exp(s[t] - m);
     sum += s[t];
   }
   return 1.f / sum;
@@ -92,52 +77,80 @@ struct Args {
   const float *q, *k, *v;
   const int64_t *tables, *lens;
   float* out;
-  int64_t H, Hkv, S, D, G, max_blocks, block_size;
+  int64_t H, Hkv, S, D, G, max_blocks, block_size, q_row;
   float scale;
 };
 
-// One (sequence, KV head) task with the group size and head dim known at compile time.
+constexpr int64_t kMaxFixedBlock = 64;  // block sizes up to this take the fixed-shape path
+constexpr int64_t kAhead = 2;           // blocks prefetched ahead (1: too late; 4, 8: no better)
+
+inline void prefetch_kv(const Args& a, const float* kh, const float* vh, int64_t block, int64_t D) {
+  const int64_t off = block * a.block_size * D;
+  prefetch_block(kh + off, a.block_size * D);
+  prefetch_block(vh + off, a.block_size * D);
+}
+
+// One (sequence, KV head) task with the group size and head dim known at compile time, in one
+// pass over the blocks: each block's K and V are used together (online softmax: a running max
+// and sum per head, the accumulator rescaled when the max grows), and the blocks two ahead are
+// prefetched, so the scattered blocks stream instead of waiting on memory one at a time.
 template <int G, int D>
-void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>& scores) {
+void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
   const int64_t n = a.lens[b], bs = a.block_size;
   const int64_t* table = a.tables + b * a.max_blocks;
+  const int64_t nblocks = (n + bs - 1) / bs;
   const float* kh = a.k + h * a.S * D;
   const float* vh = a.v + h * a.S * D;
   float q[G][D];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) q[g][d] = a.q[(b * a.H + h * G + g) * D + d] * a.scale;
-  scores.resize(G * n);
-  float* s = scores.data();
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const float* kb = kh + table[t0 / bs] * bs * D;
-    const int64_t m = std::min(bs, n - t0);
-    if (t0 + bs < n) prefetch_block(kh + table[t0 / bs + 1] * bs * D, bs * D);
+    for (int d = 0; d < D; ++d) q[g][d] = a.q[b * a.q_row + (h * G + g) * D + d] * a.scale;
+  for (int64_t j = 0; j < kAhead && j < nblocks; ++j) prefetch_kv(a, kh, vh, table[j], D);
+  float s[G][kMaxFixedBlock];
+  float mx[G], sum[G];
+  float acc[G][D] = {};
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
+  for (int64_t j = 0; j < nblocks; ++j) {
+    if (j + kAhead < nblocks) prefetch_kv(a, kh, vh, table[j + kAhead], D);
+    const int64_t t0 = j * bs, m = std::min(bs, n - t0);
+    const float* kb = kh + table[j] * bs * D;
+    const float* vb = vh + table[j] * bs * D;
     int64_t i = 0;
 #ifdef TS_AVX2
     if constexpr (D % 8 == 0)
-      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, s + t0 + i, n);
+      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], kMaxFixedBlock);
 #endif
     for (; i < m; ++i) {
       const float* krow = kb + i * D;
       for (int g = 0; g < G; ++g) {
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < D; ++d) acc += q[g][d] * krow[d];
-        s[g * n + t0 + i] = acc;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += q[g][d] * krow[d];
+        s[g][i] = dot;
       }
     }
-  }
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * n, n);
-  float acc[G][D] = {};
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const float* vb = vh + table[t0 / bs] * bs * D;
-    const int64_t m = std::min(bs, n - t0);
-    if (t0 + bs < n) prefetch_block(vh + table[t0 / bs + 1] * bs * D, bs * D);
-    for (int64_t i = 0; i < m; ++i) {
-      const float* vrow = vb + i * D;
+    for (int g = 0; g < G; ++g) {
+      float bm = mx[g];
+#pragma omp simd reduction(max : bm)
+      for (int64_t t = 0; t < m; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
+      if (bm > mx[g]) {  // a new maximum: rescale what was summed so far
+        const float c = fast_exp(mx[g] - bm);
+        sum[g] *= c;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] *= c;
+        mx[g] = bm;
+      }
+      float bsum = 0.f;
+#pragma omp simd reduction(+ : bsum)
+      for (int64_t t = 0; t < m; ++t) {
+        s[g][t] = fast_exp(s[g][t] - bm);
+        bsum += s[g][t];
+      }
+      sum[g] += bsum;
+    }
+    for (int64_t t = 0; t < m; ++t) {
+      const float* vrow = vb + t * D;
       for (int g = 0; g < G; ++g) {
-        const float w = s[g * n + t0 + i];
+        const float w = s[g][t];
 #pragma omp simd
         for (int d = 0; d < D; ++d) acc[g][d] += w * vrow[d];
       }
@@ -145,7 +158,8 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>& scores)
   }
   for (int g = 0; g < G; ++g) {
     float* o = a.out + (b * a.H + h * G + g) * D;
-    for (int d = 0; d < D; ++d) o[d] = acc[g][d] * inv[g];
+    const float inv = 1.f / sum[g];
+    for (int d = 0; d < D; ++d) o[d] = acc[g][d] * inv;
   }
 }
 
@@ -153,7 +167,7 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>& scores)
 void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& scores) {
   const int64_t n = a.lens[b], bs = a.block_size, G = a.G, D = a.D;
   const int64_t* table = a.tables + b * a.max_blocks;
-  const float* qg = a.q + (b * a.H + h * G) * D;
+  const float* qg = a.q + b * a.q_row + h * G * D;
   float* og = a.out + (b * a.H + h * G) * D;
   scores.resize(G * n);
   float* s = scores.data();
@@ -181,7 +195,8 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
 
-TaskFn pick(int64_t G, int64_t D) {
+TaskFn pick(int64_t G, int64_t D, int64_t block_size) {
+  if (block_size > kMaxFixedBlock) return task_generic;
 #define TS_CASE(g, d) if (G == g && D == d) return task_fixed<g, d>;
   TS_CASE(1, 64) TS_CASE(2, 64) TS_CASE(3, 64) TS_CASE(4, 64) TS_CASE(8, 64)
   TS_CASE(1, 128) TS_CASE(2, 128) TS_CASE(4, 128) TS_CASE(8, 128)
@@ -195,8 +210,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
                            torch::Tensor context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  // q may be a view into the fused qkv rows: heads and dims contiguous, rows strided.
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   Args a;
   a.H = q.size(1);
   a.D = q.size(2);
@@ -207,20 +223,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
   a.q = q.data_ptr<float>();
+  a.q_row = q.stride(0);
   a.k = kv_cache.data_ptr<float>();
   a.v = a.k + a.Hkv * a.S * a.D;
   a.tables = block_tables.data_ptr<int64_t>();
   a.lens = context_lens.data_ptr<int64_t>();
   a.out = out.data_ptr<float>();
-  const TaskFn fn = pick(a.G, a.D);
+  const TaskFn fn = pick(a.G, a.D, a.block_size);
   const int64_t B = q.size(0);
   at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) fn(a, task / a.Hkv, task % a.Hkv, scores);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
 }

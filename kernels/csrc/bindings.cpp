@@ -1,0 +1,9 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * w, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rope_store_kv_", &rope_store_kv_, "RoPE on q/k in place, k/v stored at their slots");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
+}

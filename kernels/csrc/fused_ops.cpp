@@ -1,0 +1,130 @@
+// Fused element-wise ops for the CPU model path (fp32): each is one pass over its rows where torch
+// needs three to five ops, each its own OpenMP region. At decode sizes a region costs more to wake
+// (tens of microseconds with OMP_WAIT_POLICY=PASSIVE) than the work in it, so small inputs run on
+// the calling thread and only prefill-sized ones are split across threads.
+//
+// Compiled with -ffp-contract=off: every product and sum rounds as torch's separate ops do, so RoPE
+// gives the same bits as the unfused torch code (and as Hugging Face's); RMSNorm's sum of squares
+// is reduced in another order, which can move its last bit.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Rows per task so that a task holds at least ~64K floats; fewer rows than that stay inline.
+int64_t grain_rows(int64_t row_floats) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_floats));
+}
+
+}  // namespace
+
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "contiguous inputs");
+  const int64_t M = x.size(0), N = x.size(1);
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* xr = xp + i * N;
+      float* rr = rp + i * N;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < N; ++j) {
+        const float h = xr[j] + rr[j];
+        rr[j] = h;
+        ss += h * h;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) xr[j] = w[j] * (rr[j] * inv);
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(), "contiguous fp32");
+  const int64_t M = gate_up.size(0), N = gate_up.size(1) / 2;
+  auto out = torch::empty({M, N}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = in + i * 2 * N;
+      const float* u = g + N;
+      float* orow = o + i * N;
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) orow[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+    }
+  });
+  return out;
+}
+
+void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
+                    torch::Tensor sin_signed, torch::Tensor kv_cache, torch::Tensor slots,
+                    int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(qkv.is_contiguous() && kv_cache.is_contiguous() && cos.is_contiguous() &&
+                  sin_signed.is_contiguous(),
+              "contiguous inputs");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t H = num_heads, Hkv = num_kv_heads, S = kv_cache.size(2);
+  TORCH_CHECK(D <= 512 && D % 2 == 0, "head dim must be even and at most 512");
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv width != (H + 2 Hkv) * D");
+  float* base = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin_signed.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + Hkv * S * D;
+  at::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
+    float tmp[512];
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = ct + pos[t] * D;
+      const float* s = st + pos[t] * D;
+      float* row = base + t * (H + 2 * Hkv) * D;
+      // x * cos + roll(x, D/2) * sin_signed: q and k heads rotated in place.
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        float* x = row + h * D;
+        std::memcpy(tmp, x, D * sizeof(float));
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) x[d] = tmp[d] * c[d] + tmp[d + half] * s[d];
+#pragma omp simd
+        for (int64_t d = half; d < D; ++d) x[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
+      }
+      const float* k = row + H * D;
+      const float* v = k + Hkv * D;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::memcpy(kc + (h * S + slot[t]) * D, k + h * D, D * sizeof(float));
+        std::memcpy(vc + (h * S + slot[t]) * D, v + h * D, D * sizeof(float));
+      }
+    }
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "2-D fp32");
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* r = p + i * N;
+      float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < N; ++j) m = r[j] > m ? r[j] : m;
+      int64_t at = 0;  // the first index holding the maximum, as torch.argmax returns
+      while (at < N && !(r[at] == m)) ++at;
+      o[i] = at < N ? at : 0;  // an all-NaN row: 0
+    }
+  });
+  return out;
+}

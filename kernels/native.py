@@ -1,0 +1,65 @@
+"""The native CPU extension (kernels/csrc): paged decode attention and the fused element-wise ops
+of the model path. Compiled on first use with the host's compiler for this CPU (-march=native)
+and cached under ~/.cache/tierserve/ext, keyed by the CPU, the sources and the flags. Where it
+cannot be built (no compiler, no ninja), `load_extension()` returns None with the reason logged
+and callers use torch ops.
+
+TIERSERVE_NATIVE_OPS=0 keeps the model's element-wise ops in torch (the attention backend is
+chosen separately, by the router)."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+# -ffp-contract=off: products and sums round separately, as torch's ops do (explicit FMA
+# intrinsics stay FMAs). -fopenmp makes ATen's header-inlined parallel_for use torch's threads.
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+
+def _tag() -> str:
+    """Binaries are built with -march=native: key the cache by this CPU, the sources and flags."""
+    info = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = "".join(l for l in f if l.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    h = hashlib.sha256(info.encode() + " ".join(_CFLAGS).encode())
+    for path in _SOURCES + glob.glob(os.path.join(_CSRC, "*.h")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def load_extension():
+    """The compiled module, or None (with the reason logged) where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    name = f"tierserve_native_{_tag()}"
+    build_dir = os.path.join(os.path.expanduser(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")),
+                             "ext", name)
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        return load(name=name, sources=_SOURCES, build_directory=build_dir,
+                    extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, build error
+        log.warning("native CPU kernels unavailable (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
+
+
+def fused_ops():
+    """The extension when the model's fused element-wise ops may use it, else None."""
+    if os.environ.get("TIERSERVE_NATIVE_OPS", "1") == "0":
+        return None
+    return load_extension()

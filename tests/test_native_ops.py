@@ -1,0 +1,88 @@
+"""The native CPU extension's fused element-wise ops against the torch code they replace, and the
+model with them on against the model with them off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import SamplingParams
+from engine.models.layers import RotaryEmbedding, rope_inv_freq
+from kernels.native import load_extension
+
+ext = load_extension()
+pytestmark = pytest.mark.skipif(ext is None, reason="the native extension could not be built here")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows split across threads
+def test_add_rms_norm_matches_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 576, generator=g) * 3, torch.randn(rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    want_res = res + x
+    want = F.rms_norm(want_res, (576,), w, 1e-5)
+    ext.add_rms_norm_(x, res, w, 1e-5)
+    assert torch.equal(res, want_res)  # the residual stream is exact
+    torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 40, 1024])
+def test_silu_and_mul_matches_torch(rows):
+    gu = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 6
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ext.silu_and_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+
+
+def test_rope_store_kv_is_bit_identical_to_torch():
+    h, hkv, d, t, slots = 9, 3, 64, 37, 128
+    rope = RotaryEmbedding(rope_inv_freq(d, 100000.0, None), 4096)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    slot = torch.randperm(slots, generator=g)[:t]
+    view = qkv.view(t, h + 2 * hkv, d)
+    want_qk = rope(pos, view[:, :h + hkv])
+    want_cache = torch.zeros(2, hkv, slots, d)
+    want_cache[0][:, slot] = want_qk[:, h:].transpose(0, 1)
+    want_cache[1][:, slot] = view[:, h + hkv:].transpose(0, 1)
+    cache = torch.zeros(2, hkv, slots, d)
+    ext.rope_store_kv_(qkv, pos, rope.cos, rope.sin, cache, slot, h, hkv)
+    assert torch.equal(view[:, :h + hkv], want_qk)
+    assert torch.equal(cache, want_cache)
+
+
+def test_argmax_rows_takes_the_first_maximum():
+    x = torch.randn(6, 49152, generator=torch.Generator().manual_seed(1))
+    x[2, 10] = x[2, 20] = 100.0  # a tie: the first index, as torch.argmax
+    x[3] = 0.0
+    assert ext.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == ext.argmax_rows(x).tolist()
+    assert ext.argmax_rows(x)[2] == 10 and ext.argmax_rows(x)[3] == 0
+
+
+def _greedy(engine, prompts, salt: str) -> list[list[int]]:
+    """Run to completion; a cache salt of its own keeps the prefix cache from serving a prompt."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{salt}-{i}", p, params, cache_salt=salt)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert engine.stats.computed_tokens > 0
+    return [done[f"{salt}-{i}"] for i in range(len(prompts))]
+
+
+def test_model_gives_the_same_tokens_with_native_ops_off(llm, varied_prompts):
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.native is ext  # CPU fp32: the engine uses the extension
+    prompts = [varied_prompts[i] for i in (3, 9, 13)]
+    before = engine.stats.computed_tokens
+    fused = _greedy(engine, prompts, "fused")
+    computed = engine.stats.computed_tokens - before
+    runner.model.use_native_ops(None)
+    try:
+        plain = _greedy(engine, prompts, "plain")
+    finally:
+        runner.model.use_native_ops(ext)
+    assert engine.stats.computed_tokens - before == 2 * computed  # both ran the whole prompts
+    assert fused == plain
