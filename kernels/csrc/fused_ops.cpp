@@ -3,7 +3,7 @@
 // (tens of microseconds with OMP_WAIT_POLICY=PASSIVE) than the work in it, so small inputs run on
 // the calling thread and only prefill-sized ones are split across threads.
 //
-// Compiled with -ffp-contract=off: every product and sum rounds as torch's separate ops do, so RoPE
+// No FMA contraction in this file: every product and sum rounds as torch's separate ops do, so RoPE
 // gives the same bits as the unfused torch code (and as Hugging Face's); RMSNorm's sum of squares
 // is reduced in another order, which can move its last bit.
 #include "ops.h"
@@ -11,6 +11,9 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+
+// Every function defined below, the parallel_for lambdas included (headers above are unaffected).
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 

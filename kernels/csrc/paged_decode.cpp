@@ -81,8 +81,7 @@ struct Args {
   float scale;
 };
 
-constexpr int64_t kMaxFixedBlock = 64;  // block sizes up to this take the fixed-shape path
-constexpr int64_t kAhead = 2;           // blocks prefetched ahead (1: too late; 4, 8: no better)
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead (1: too late; 4, 8: no better)
 
 inline void prefetch_kv(const Args& a, const float* kh, const float* vh, int64_t block, int64_t D) {
   const int64_t off = block * a.block_size * D;
@@ -90,34 +89,36 @@ inline void prefetch_kv(const Args& a, const float* kh, const float* vh, int64_t
   prefetch_block(vh + off, a.block_size * D);
 }
 
-// One (sequence, KV head) task with the group size and head dim known at compile time, in one
-// pass over the blocks: each block's K and V are used together (online softmax: a running max
-// and sum per head, the accumulator rescaled when the max grows), and the blocks two ahead are
-// prefetched, so the scattered blocks stream instead of waiting on memory one at a time.
-template <int G, int D>
+// One (sequence, KV head) task with the group size, head dim and block size known at compile
+// time, in one pass over the blocks: each block's K and V are used together (online softmax: a
+// running max and sum per head, the accumulator rescaled when the max grows), and the blocks two
+// ahead are prefetched, so the scattered blocks stream instead of waiting on memory one at a time.
+// Per-block softmax loops run the full block width (a short last block is padded: score -inf,
+// weight 0), so they vectorize.
+template <int G, int D, int BS>
 void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
-  const int64_t n = a.lens[b], bs = a.block_size;
+  const int64_t n = a.lens[b];
   const int64_t* table = a.tables + b * a.max_blocks;
-  const int64_t nblocks = (n + bs - 1) / bs;
+  const int64_t nblocks = (n + BS - 1) / BS;
   const float* kh = a.k + h * a.S * D;
   const float* vh = a.v + h * a.S * D;
   float q[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) q[g][d] = a.q[b * a.q_row + (h * G + g) * D + d] * a.scale;
   for (int64_t j = 0; j < kAhead && j < nblocks; ++j) prefetch_kv(a, kh, vh, table[j], D);
-  float s[G][kMaxFixedBlock];
+  alignas(64) float s[G][BS];
   float mx[G], sum[G];
   float acc[G][D] = {};
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
   for (int64_t j = 0; j < nblocks; ++j) {
     if (j + kAhead < nblocks) prefetch_kv(a, kh, vh, table[j + kAhead], D);
-    const int64_t t0 = j * bs, m = std::min(bs, n - t0);
-    const float* kb = kh + table[j] * bs * D;
-    const float* vb = vh + table[j] * bs * D;
+    const int64_t m = std::min<int64_t>(BS, n - j * BS);
+    const float* kb = kh + table[j] * BS * D;
+    const float* vb = vh + table[j] * BS * D;
     int64_t i = 0;
 #ifdef TS_AVX2
     if constexpr (D % 8 == 0)
-      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], kMaxFixedBlock);
+      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], BS);
 #endif
     for (; i < m; ++i) {
       const float* krow = kb + i * D;
@@ -129,9 +130,10 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
       }
     }
     for (int g = 0; g < G; ++g) {
+      for (int64_t t = m; t < BS; ++t) s[g][t] = -INFINITY;
       float bm = mx[g];
 #pragma omp simd reduction(max : bm)
-      for (int64_t t = 0; t < m; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
+      for (int t = 0; t < BS; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
       if (bm > mx[g]) {  // a new maximum: rescale what was summed so far
         const float c = fast_exp(mx[g] - bm);
         sum[g] *= c;
@@ -139,12 +141,12 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
         for (int d = 0; d < D; ++d) acc[g][d] *= c;
         mx[g] = bm;
       }
+#pragma omp simd
+      for (int t = 0; t < BS; ++t) s[g][t] = fast_exp(s[g][t] - bm);
+      for (int64_t t = m; t < BS; ++t) s[g][t] = 0.f;
       float bsum = 0.f;
 #pragma omp simd reduction(+ : bsum)
-      for (int64_t t = 0; t < m; ++t) {
-        s[g][t] = fast_exp(s[g][t] - bm);
-        bsum += s[g][t];
-      }
+      for (int t = 0; t < BS; ++t) bsum += s[g][t];
       sum[g] += bsum;
     }
     for (int64_t t = 0; t < m; ++t) {
@@ -196,10 +198,13 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
 using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
 
 TaskFn pick(int64_t G, int64_t D, int64_t block_size) {
-  if (block_size > kMaxFixedBlock) return task_generic;
-#define TS_CASE(g, d) if (G == g && D == d) return task_fixed<g, d>;
-  TS_CASE(1, 64) TS_CASE(2, 64) TS_CASE(3, 64) TS_CASE(4, 64) TS_CASE(8, 64)
-  TS_CASE(1, 128) TS_CASE(2, 128) TS_CASE(4, 128) TS_CASE(8, 128)
+#define TS_CASE(g, d, bs) \
+  if (G == g && D == d && block_size == bs) return task_fixed<g, d, bs>;
+#define TS_CASES(bs)                                                                          \
+  TS_CASE(1, 64, bs) TS_CASE(2, 64, bs) TS_CASE(3, 64, bs) TS_CASE(4, 64, bs) TS_CASE(8, 64, bs) \
+  TS_CASE(1, 128, bs) TS_CASE(2, 128, bs) TS_CASE(4, 128, bs) TS_CASE(8, 128, bs)
+  TS_CASES(16) TS_CASES(32)
+#undef TS_CASES
 #undef TS_CASE
   return task_generic;
 }
