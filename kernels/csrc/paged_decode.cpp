@@ -1,8 +1,8 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place from the
 // block-paged cache (no gather copy). One task per (sequence, KV head) serves that head's whole
-// GQA group, so every K/V row is read once. Three passes per task: scores (reads K), softmax,
-// then the weighted sum of V rows, accumulated in registers when (G, D) is a compiled shape.
-// fp32 throughout.
+// GQA group, so every K/V row is read once. Compiled shapes (G, D, block size) take one pass per
+// task with online softmax (task_fixed); any other shape takes three passes: scores (reads K),
+// softmax, then the weighted sum of V rows (task_generic). fp32 throughout.
 //
 // q            [B, H, D]            contiguous
 // kv_cache     [2, Hkv, S, D]       S = num_blocks * block_size
