@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.env import configure_threads  # noqa: E402
+from kernels.native import load_extension  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -36,14 +37,19 @@ def log(msg: str) -> None:
 
 
 def gemm_flops(n: int = 2048, reps: int = 5) -> float:
-    """The best large fp32 GEMM rate of this machine: torch.matmul (MKL) and oneDNN's prepacked
-    linear (what the engine uses), whichever is faster here. On Intel MKL usually wins; on AMD
-    oneDNN does (MKL takes a slower path there): the higher number is the stricter roofline."""
+    """The best large fp32 GEMM rate of this machine: torch.matmul (MKL), oneDNN's prepacked
+    linear and the native packed kernel (kernels/csrc/gemm.cpp, what the engine uses on the CPU),
+    whichever is fastest here. On Intel MKL usually wins; on AMD oneDNN or the native kernel does
+    (MKL takes a slower path there): the highest number is the strictest roofline."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     paths = [lambda: a @ b]
     if torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
         paths.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    ext = load_extension()
+    if ext is not None:
+        panels = ext.pack_linear_weight(b)
+        paths.append(lambda: ext.packed_linear(a, panels, n))
     best = float("inf")
     for f in paths:
         f()

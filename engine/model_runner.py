@@ -59,7 +59,7 @@ class ModelRunner:
         self._tables = torch.zeros(sc.max_num_seqs, -(-max_model_len // self.block_size),
                                    dtype=torch.long)
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
-        self.model.use_native_ops(self.native)
+        self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
 
@@ -68,9 +68,7 @@ class ModelRunner:
         model.load_weights(weights)
         for p in model.parameters():  # buffers (the RoPE table) stay fp32
             p.data = p.data.to(device=self.device, dtype=self.dtype)
-        model.to(self.device).eval()
-        model.pack_weights(batch_hint=64)
-        return model
+        return model.to(self.device).eval()
 
     def _choose_backend(self) -> tuple[dict[str, Route], AttentionBackend]:
         """Route prefill and decode separately: one backend when both agree, else a PhaseSplit."""

@@ -61,6 +61,28 @@ def test_argmax_rows_takes_the_first_maximum():
     assert got[2] == 10 and got[3] == 0
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 576, 49152), (7, 33, 17), (64, 1536, 576),
+                                   (13, 64, 40), (300, 576, 3072)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_torch(m, k, n, bias):
+    """Every row-tile height (1..6), N not a multiple of the 16-column panel, a bias, threads."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = ext.packed_linear(x, ext.pack_linear_weight(w), n, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5 * k ** 0.5)
+
+
+def test_packed_linear_reads_strided_rows():
+    """x may be a view whose rows are wider than K (a slice of a fused projection)."""
+    g = torch.Generator().manual_seed(5)
+    wide, w = torch.randn(9, 100, generator=g), torch.randn(24, 64, generator=g)
+    x = wide[:, 10:74]
+    torch.testing.assert_close(ext.packed_linear(x, ext.pack_linear_weight(w), 24), x @ w.T)
+
+
 def _greedy(engine, prompts, salt: str) -> list[list[int]]:
     """Run to completion; a cache salt of its own keeps the prefix cache from serving a prompt."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

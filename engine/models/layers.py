@@ -10,21 +10,36 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). On the CPU in fp32 the weight can be prepacked for oneDNN, which runs the
-    skinny decode GEMMs 1.2-5x faster than the default path (what torch.compile's freezing does)."""
+    """y = x W^T (+ b). On the CPU in fp32 the weight is prepacked once: into 16-column panels for
+    the native kernel (kernels/csrc/gemm.cpp) when the extension is in use, else for oneDNN (what
+    torch.compile's freezing does). Both run the skinny decode GEMMs well above the default path."""
+
+    ops = None
+    """The native extension (see RMSNorm), set by the model's use_native_ops()."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        """oneDNN's prepacked weight."""
+        self._panels: torch.Tensor | None = None
+        """The native kernel's packed weight."""
 
     def pack(self, batch_hint: int) -> None:
-        w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        """Prepack for whichever CPU kernel `ops` selects (one packed copy at a time)."""
+        w = self.weight.detach()
+        self._packed = self._panels = None
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return
+        if self.ops is not None:
+            self._panels = self.ops.pack_linear_weight(w)
+        elif torch.backends.mkldnn.is_available():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -135,13 +135,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight.copy_(head if head is not None and not self.config.tie_word_embeddings
                                   else weights["model.embed_tokens.weight"])
 
-    def use_native_ops(self, ops) -> None:
-        """Route the element-wise ops through the native extension (CPU, fp32), or back (None)."""
+    def use_native_ops(self, ops, batch_hint: int = 64) -> None:
+        """Route the element-wise ops and the linear layers through the native extension (CPU,
+        fp32), or back to torch (None); the linear weights are packed again for the new path."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP)):
+            if isinstance(m, (RMSNorm, Attention, MLP, Linear)):
                 m.ops = ops
-
-    def pack_weights(self, batch_hint: int) -> None:
-        for m in self.modules():
             if isinstance(m, Linear):
                 m.pack(batch_hint)

@@ -5,5 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * w, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rope_store_kv_", &rope_store_kv_, "RoPE on q/k in place, k/v stored at their slots");
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> 16-column panels");
+  m.def("packed_linear", &packed_linear, "x W^T (+ b) over packed panels", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
 }

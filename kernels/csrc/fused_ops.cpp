@@ -62,8 +62,17 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const float* g = in + i * 2 * N;
       const float* u = g + N;
       float* orow = o + i * N;
-#pragma omp simd
-      for (int64_t j = 0; j < N; ++j) orow[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; j + 8 <= N; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = fast_exp8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(orow + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                                 _mm256_loadu_ps(u + j)));
+      }
+#endif
+      for (; j < N; ++j) orow[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
     }
   });
   return out;

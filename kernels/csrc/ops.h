@@ -23,6 +23,28 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// fast_exp on 8 lanes with the same steps, for loops GCC does not vectorize itself (it leaves
+// fast_exp scalar in some of them: "control flow in loop").
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(k, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 // Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] -> [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale);
@@ -41,3 +63,10 @@ void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 
 // Index of each row's first maximum: [M, N] -> [M] int64.
 torch::Tensor argmax_rows(torch::Tensor x);
+
+// W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
+torch::Tensor pack_linear_weight(torch::Tensor w);
+
+// y [M, N] = x [M, K] . W^T (+ bias), W as packed by pack_linear_weight (decode-sized M).
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                            c10::optional<torch::Tensor> bias);
