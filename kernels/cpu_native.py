@@ -1,9 +1,13 @@
-"""CPU backend: decode attention in a small C++ kernel that reads K/V blocks in place; prefill
-chunks through torch SDPA (inherited).
+"""CPU backend: decode and prefill attention in C++ kernels that read K/V blocks in place
+(csrc/paged_decode.cpp, csrc/prefill_attention.cpp); shapes the prefill kernel does not take
+(head dim or block size not a multiple of 16, or no AVX2) run their prefill chunks through torch
+SDPA (inherited).
 
 The gather that torch_sdpa does for decode writes every context token's K and V to a scratch
-tensor and reads it back: three times the bytes attention needs. The kernel (csrc/paged_decode.cpp)
-is part of the native extension (kernels/native.py), compiled on first use for this CPU.
+tensor and reads it back: three times the bytes attention needs. For prefill, SDPA runs one call
+per chunk (a gather and a mask for a chunk after cached tokens); the kernel takes every chunk of
+the step in one call and skips the masked half of each causal square. Both kernels are part of the
+native extension (kernels/native.py), compiled on first use for this CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,25 @@ class NativeDecodeMeta:
     context_lens: torch.Tensor
 
 
+@dataclass
+class NativePrefillMeta:
+    rows: tuple[int, int]
+    """The prefill tokens' rows of the flat batch, [first, end)."""
+    block_tables: torch.Tensor
+    """[prefills, max_blocks] int64."""
+    query_start: torch.Tensor
+    """[prefills + 1] int64: the row where each chunk begins (rows[1] last)."""
+    context_lens: torch.Tensor
+    """[prefills] int64: cached + new tokens of each."""
+    block_size: int
+
+
+@dataclass
+class NativeMeta:
+    decode: NativeDecodeMeta | None
+    prefill: NativePrefillMeta | None
+
+
 class CpuNativeBackend(TorchSdpaBackend):
     name = "cpu_native"
     capabilities = Capabilities(
@@ -39,6 +62,33 @@ class CpuNativeBackend(TorchSdpaBackend):
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError("the cpu_native kernel could not be built (see the log)")
+
+    def build_metadata(self, layout: BatchLayout):
+        if not self.ext.paged_prefill_supported(self.head_dim, layout.block_size):
+            return super().build_metadata(layout)
+        b = layout.num_decodes
+        decode = self._decode_meta(layout) if b else None
+        prefill = None
+        if layout.num_seqs > b:
+            starts = layout.query_start[b:]
+            prefill = NativePrefillMeta((starts[0], starts[-1]), layout.block_tables[b:].contiguous(),
+                                        torch.tensor(starts, dtype=torch.long),
+                                        torch.tensor(layout.context_lens[b:], dtype=torch.long),
+                                        layout.block_size)
+        return NativeMeta(decode, prefill)
+
+    def forward(self, q, k, v, kv_cache, meta):
+        if not isinstance(meta, NativeMeta):
+            return super().forward(q, k, v, kv_cache, meta)
+        d, p = meta.decode, meta.prefill
+        if p is None:
+            return self._decode(q, kv_cache, d)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if d is not None:
+            out[:d.batch] = self._decode(q, kv_cache, d)
+        self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
+                                p.block_size, self.scale, out)
+        return out
 
     def _decode_meta(self, layout: BatchLayout) -> NativeDecodeMeta:
         b = layout.num_decodes

@@ -26,6 +26,9 @@ SHAPES = [
     (4, 1, 128, 16, [(1, 64), (20, 50)]),
     (12, 4, 64, 32, [(1, 3), (1, 70), (33, 33), (1, 1)]),
     (9, 3, 64, 16, [(1, 1), (1, 15), (1, 16), (1, 17), (1, 300), (1, 777)]),  # SmolLM2's decode
+    # SmolLM2's prefill: whole prompts, chunks after cached tokens, tiles of 16 queries cut short
+    (9, 3, 64, 16, [(1, 20), (300, 300), (17, 100), (5, 5), (40, 200), (16, 16), (33, 48)]),
+    (16, 2, 128, 32, [(70, 70), (1, 9), (31, 95)]),  # GQA 8, head dim 128, 32-token blocks
 ]
 # (the last row's trailing (1, 1) sits after a prefill: a one-token prompt is a prefill)
 

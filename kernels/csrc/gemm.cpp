@@ -1,9 +1,9 @@
-// y = x W^T (+ b) for the decode-sized rows of the CPU model path, fp32, AVX2 + FMA.
+// y = x W^T (+ b) for every linear layer of the CPU model path, fp32, AVX2 + FMA.
 //
-// Why not oneDNN here: at decode batch sizes (M <= 64) every step streams all 540 MB of the
-// embedded model's weights from DRAM, and oneDNN's kernels reach 5-11 GB/s of the box's ~21 GB/s
-// at M = 1..16 and ~90 GFLOP/s at M = 64 with cold weights (measured on a 2-core Zen 3). Prefill
-// chunks (M in the hundreds) stay with oneDNN, which is near the large-GEMM rate there.
+// Why not oneDNN: at decode batch sizes every step streams all 540 MB of the embedded model's
+// weights from DRAM, and oneDNN reached 9-11 GB/s of the box's ~21 GB/s at M = 1..8 and ~100
+// GFLOP/s at M = 64 with cold weights; this kernel 18-24 GB/s and ~120 GFLOP/s, and matches oneDNN
+// on prefill chunks (M = 1024) (30 layers' projections, 2-core Zen 3, 2026-12-02).
 //
 // Layout: W [N, K] is packed once into panels of 16 output columns, P [ceil(N/16)][K][16]
 // (zero-padded past N), so that one panel is one contiguous run of memory that a thread streams
@@ -15,61 +15,13 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TS_AVX2 1
-#endif
+
+#include "tile.h"
 
 namespace {
 
-constexpr int64_t kNR = 16;  // output columns per panel
-constexpr int kMR = 6;       // rows of x per register tile
-
-#ifdef TS_AVX2
-// C[0:MR, 0:16] = A[0:MR, 0:K] . P[0:K, 0:16] (+ bias); A rows lda apart, C rows ldc apart.
-template <int MR>
-inline void tile(const float* A, int64_t lda, const float* P, int64_t K, const float* bias,
-                 float* C, int64_t ldc, int64_t ncols) {
-  __m256 c0[MR], c1[MR];
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) c0[m] = b0, c1[m] = b1;
-  for (int64_t k = 0; k < K; ++k) {
-    // ~1 KB ahead in the panel: it is streamed once from DRAM by the first row block.
-    __builtin_prefetch(P + (k + 16) * kNR, 0, 3);
-    const __m256 p0 = _mm256_load_ps(P + k * kNR), p1 = _mm256_load_ps(P + k * kNR + 8);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 a = _mm256_broadcast_ss(A + m * lda + k);
-      c0[m] = _mm256_fmadd_ps(a, p0, c0[m]);
-      c1[m] = _mm256_fmadd_ps(a, p1, c1[m]);
-    }
-  }
-  if (ncols == kNR) {
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      _mm256_storeu_ps(C + m * ldc, c0[m]);
-      _mm256_storeu_ps(C + m * ldc + 8, c1[m]);
-    }
-    return;
-  }
-  // The last panel of an N that is not a multiple of 16: masked stores (no spill of the tile,
-  // which a copy through a stack array would force on every k).
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols)), lane);
-  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ncols) - 8), lane);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    _mm256_maskstore_ps(C + m * ldc, m0, c0[m]);
-    _mm256_maskstore_ps(C + m * ldc + 8, m1, c1[m]);
-  }
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
-                        int64_t);
-constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
-#endif
+using ts::kMR;
+using ts::kNR;
 
 // The same product without AVX2 (any CPU): one output at a time over the packed panels.
 void panel_scalar(const float* A, int64_t lda, const float* P, int64_t K, const float* bias,
@@ -128,12 +80,14 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
       const float* panel = P + p * K * kNR;
       const float* pb = bp ? bp + p * kNR : nullptr;
       const int64_t ncols = std::min(kNR, N - p * kNR);
-      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-        const int64_t rows = std::min<int64_t>(kMR, M - m0);
-#ifdef TS_AVX2
-        kTiles[rows](A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, ncols);
+      for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
+        rows = ts::tile_rows(M, t);
+#if defined(__AVX2__) && defined(__FMA__)
+        ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * N + p * kNR, N,
+                                ncols);
 #else
-        panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows, ncols);
+        panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows,
+                     ncols);
 #endif
       }
     }

@@ -2,8 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 // e^x: range reduction to 2^k * e^r, |r| <= ln2/2, degree-6 polynomial (about 2 ulp); inputs
 // clamped to [-87, 88]. Branch-free so `omp simd` loops vectorize it.
@@ -45,9 +47,33 @@ inline __m256 fast_exp8(__m256 x) {
 }
 #endif
 
+// Boundaries 0 = c[0] <= c[1] <= ... <= c[parts] = n that cut items 0..n-1 into `parts` runs of
+// about equal total cost, for work whose items differ in cost (attention over contexts of
+// different lengths): a thread that finishes early leaves the other alone with the memory bus.
+inline std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& cost, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  parts = std::max<int64_t>(1, std::min(parts, n));
+  std::vector<int64_t> cut(parts + 1, n);
+  cut[0] = 0;
+  int64_t total = 0, seen = 0;
+  for (int64_t c : cost) total += c;
+  for (int64_t i = 0, part = 1; i < n && part < parts; ++i) {
+    seen += cost[i];
+    while (part < parts && seen * parts >= total * part) cut[part++] = i + 1;
+  }
+  return cut;
+}
+
 // Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] -> [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale);
+
+// Causal prefill attention of every chunk in the batch over the paged cache (see
+// prefill_attention.cpp), written into out's rows; supported: head_dim % 16 == 0, block % 16 == 0.
+bool paged_prefill_supported(int64_t head_dim, int64_t block_size);
+void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                    torch::Tensor query_start, torch::Tensor context_lens, int64_t block_size,
+                    double scale, torch::Tensor out);
 
 // residual += x; x = rms_norm(residual) * weight (rows of x, both [M, N], in place).
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

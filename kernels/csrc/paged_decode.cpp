@@ -15,6 +15,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -244,9 +245,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   a.out = out.data_ptr<float>();
   const TaskFn fn = pick(a.G, a.D, a.block_size);
   const int64_t B = q.size(0);
-  at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Tasks cost in proportion to their context, and contexts in a batch differ by several times:
+  // one run of sequences per thread of about equal total context.
+  std::vector<int64_t> cost(a.lens, a.lens + B);
+  for (int64_t& c : cost) c += 1;
+  const std::vector<int64_t> cut = balanced_cuts(cost, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) fn(a, task / a.Hkv, task % a.Hkv, scores);
+    for (int64_t task = cut[begin] * a.Hkv; task < cut[end] * a.Hkv; ++task)
+      fn(a, task / a.Hkv, task % a.Hkv, scores);
   });
   return out;
 }

@@ -1,0 +1,196 @@
+// Causal prefill attention for the CPU over the paged cache, fp32: every prefill chunk of a step
+// in one call, K/V read in place from their blocks (this step's K/V already stored there), the
+// chunk's queries at the context's end (bottom-right causal: query i of a chunk of n in a context
+// of c tokens sees keys 0 .. c - n + i).
+//
+// One task per (sequence, KV head, tile of 16 query positions) serves the head's whole GQA group:
+// its G * 16 query rows meet each 16-key chunk of K and V once. Per chunk: S = Q K^T through the
+// GEMM register tile (the chunk's K transposed to [D][16] first), online softmax per row (running
+// max and sum, the row's output rescaled when the max grows), O += P V through the same tile.
+// Chunks past a tile's last position are skipped, so causal attention does about half the work
+// of the full square. Tasks are split between threads by their key count, not their number.
+//
+// q            [T, H, D]   rows may be strided (a view of the fused qkv rows)
+// kv_cache     [2, Hkv, S, D]
+// block_tables [P, max_blocks] int64, the prefill sequences' rows
+// query_start  [P + 1] int64, rows of q (and out) where each sequence's chunk begins
+// context_lens [P] int64, tokens in each sequence's KV including this chunk
+// out          [T, H * D], the chunks' rows are written
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "tile.h"
+
+namespace {
+
+constexpr int64_t kQT = 16;   // query positions per task
+constexpr int64_t kKC = 16;   // keys per chunk (a tile's width)
+
+struct Task {
+  int64_t seq, head, q0;  // q0: first query of the tile, counted within the sequence's chunk
+};
+
+struct Args {
+  const float *q, *k, *v;
+  const int64_t *tables, *qstart, *lens;
+  float* out;
+  int64_t H, Hkv, G, D, S, q_row, max_blocks, block_size;
+  float scale;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One task. Rows r = g * nq + i: query head h * G + g at chunk position q0 + i.
+void run_task(const Args& a, const Task& t, std::vector<float>& buf) {
+  const int64_t G = a.G, D = a.D, s = t.seq;
+  const int64_t n = a.qstart[s + 1] - a.qstart[s], ctx = a.lens[s];
+  const int64_t nq = std::min(kQT, n - t.q0), R = G * nq;
+  const int64_t first_pos = ctx - n + t.q0;  // absolute position of the tile's first query
+  buf.resize(R * D * 2 + R * kKC + D * kKC + 2 * R);
+  float* Q = buf.data();
+  float* O = Q + R * D;
+  float* P = O + R * D;
+  float* Kt = P + R * kKC;
+  float* mx = Kt + D * kKC;
+  float* sum = mx + R;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* src = a.q + (a.qstart[s] + t.q0 + i) * a.q_row + (t.head * G + g) * D;
+      float* dst = Q + (g * nq + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+    }
+  std::fill(O, O + R * D, 0.f);
+  std::fill(mx, mx + R, -INFINITY);
+  std::fill(sum, sum + R, 0.f);
+  const int64_t* table = a.tables + s * a.max_blocks;
+  const float* kh = a.k + t.head * a.S * D;
+  const float* vh = a.v + t.head * a.S * D;
+  const int64_t keys = first_pos + nq;  // the last query sees keys [0, keys)
+  for (int64_t c0 = 0; c0 < keys; c0 += kKC) {
+    const int64_t slot = table[c0 / a.block_size] * a.block_size + c0 % a.block_size;
+    const float* kb = kh + slot * D;
+    const float* vb = vh + slot * D;
+    // All 16 rows of the chunk: rows past the context hold finite values of this block's unused
+    // slots and are masked below, for every query.
+    for (int64_t j = 0; j < kKC; ++j)
+      for (int64_t d = 0; d < D; ++d) Kt[d * kKC + j] = kb[j * D + d];
+    for (int64_t r0 = 0, ti = 0, rows = 0; r0 < R; ++ti, r0 += rows) {
+      rows = ts::tile_rows(R, ti);
+      ts::kTiles<false>[rows](Q + r0 * D, D, Kt, kKC, D, nullptr, P + r0 * kKC, kKC, kKC);
+    }
+    const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lane1 = _mm256_add_ps(lane0, _mm256_set1_ps(8));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < R; ++r) {
+      float* p = P + r * kKC;
+      // keys of this chunk the row sees: lanes j < seen (seen <= 0: none)
+      const float seen = static_cast<float>(first_pos + r % nq - c0 + 1);
+      const __m256 k0 = _mm256_cmp_ps(lane0, _mm256_set1_ps(seen), _CMP_LT_OQ);
+      const __m256 k1 = _mm256_cmp_ps(lane1, _mm256_set1_ps(seen), _CMP_LT_OQ);
+      const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(p), k0);
+      const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(p + 8), k1);
+      __m256 mv = _mm256_max_ps(s0, s1);
+      mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+      mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+      mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+      const float m = std::max(mx[r], _mm256_cvtss_f32(mv));
+      if (m == -INFINITY) {  // nothing seen yet (a later chunk than the row's position)
+        _mm256_storeu_ps(p, _mm256_setzero_ps());
+        _mm256_storeu_ps(p + 8, _mm256_setzero_ps());
+        continue;
+      }
+      if (m > mx[r]) {  // a new maximum: rescale what was summed so far
+        const float c = fast_exp(mx[r] - m);
+        sum[r] *= c;
+        float* o = O + r * D;
+        for (int64_t d = 0; d < D; ++d) o[d] *= c;
+        mx[r] = m;
+      }
+      const __m256 mm = _mm256_set1_ps(m);
+      const __m256 e0 = _mm256_and_ps(fast_exp8(_mm256_sub_ps(s0, mm)), k0);
+      const __m256 e1 = _mm256_and_ps(fast_exp8(_mm256_sub_ps(s1, mm)), k1);
+      _mm256_storeu_ps(p, e0);
+      _mm256_storeu_ps(p + 8, e1);
+      __m256 t = _mm256_add_ps(e0, e1);
+      t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 1));
+      t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0x4e));
+      t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0xb1));
+      sum[r] += _mm256_cvtss_f32(t);
+    }
+    // O += P V over the chunk's 16 V rows (weight 0 past the context; a chunk never crosses its
+    // block, and all of a block's rows exist in the cache).
+    for (int64_t d0 = 0; d0 < D; d0 += ts::kNR)
+      for (int64_t r0 = 0, ti = 0, rows = 0; r0 < R; ++ti, r0 += rows) {
+        rows = ts::tile_rows(R, ti);
+        ts::kTiles<true>[rows](P + r0 * kKC, kKC, vb + d0, D, kKC, nullptr, O + r0 * D + d0, D,
+                               ts::kNR);
+      }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = g * nq + i;
+      float* dst = a.out + (a.qstart[s] + t.q0 + i) * a.H * D + (t.head * G + g) * D;
+      const float inv = 1.f / sum[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = O[r * D + d] * inv;
+    }
+}
+#endif
+
+}  // namespace
+
+bool paged_prefill_supported(int64_t head_dim, int64_t block_size) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return head_dim % ts::kNR == 0 && block_size % kKC == 0;
+#else
+  return false;
+#endif
+}
+
+void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                    torch::Tensor query_start, torch::Tensor context_lens, int64_t block_size,
+                    double scale, torch::Tensor out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() && out.is_contiguous(),
+              "contiguous cache, tables and out");
+  TORCH_CHECK(paged_prefill_supported(q.size(2), block_size), "head dim or block size unsupported");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+#if defined(__AVX2__) && defined(__FMA__)
+  Args a;
+  a.H = q.size(1);
+  a.D = q.size(2);
+  a.Hkv = kv_cache.size(1);
+  a.S = kv_cache.size(2);
+  a.G = a.H / a.Hkv;
+  a.q_row = q.stride(0);
+  a.max_blocks = block_tables.size(1);
+  a.block_size = block_size;
+  a.scale = static_cast<float>(scale);
+  a.q = q.data_ptr<float>();
+  a.k = kv_cache.data_ptr<float>();
+  a.v = a.k + a.Hkv * a.S * a.D;
+  a.tables = block_tables.data_ptr<int64_t>();
+  a.qstart = query_start.data_ptr<int64_t>();
+  a.lens = context_lens.data_ptr<int64_t>();
+  a.out = out.data_ptr<float>();
+  const int64_t P = context_lens.size(0);
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost;  // keys a task reads
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t n = a.qstart[s + 1] - a.qstart[s];
+    for (int64_t h = 0; h < a.Hkv; ++h)
+      for (int64_t q0 = 0; q0 < n; q0 += kQT) {
+        tasks.push_back({s, h, q0});
+        cost.push_back(a.lens[s] - n + std::min(n, q0 + kQT));
+      }
+  }
+  const std::vector<int64_t> cut = balanced_cuts(cost, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t i = cut[begin]; i < cut[end]; ++i) run_task(a, tasks[i], buf);
+  });
+#endif
+}
