@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
-# -fopenmp makes ATen's header-inlined parallel_for use torch's threads. (fused_ops.cpp turns FMA
+# -fopenmp for the `omp simd` loops; parallel loops run on the extension's own worker pool
+# (csrc/thread_pool.h: workers that stay awake for a bounded time between loops; TIERSERVE_SPIN_US
+# sets that time, default 100 us, 0 sleeps at once as PASSIVE OpenMP does). (fused_ops.cpp turns FMA
 # contraction off for itself; attention keeps it: 25% faster.)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -50,12 +52,16 @@ def load_extension():
                              "ext", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
-        return load(name=name, sources=_SOURCES, build_directory=build_dir,
-                    extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        ext = load(name=name, sources=_SOURCES, build_directory=build_dir,
+                   extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
+                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, build error
         log.warning("native CPU kernels unavailable (%s: %s)", type(e).__name__, str(e)[:200])
         return None
+    spin = os.environ.get("TIERSERVE_SPIN_US")
+    if spin:
+        ext.set_spin_us(int(spin))
+    return ext
 
 
 def fused_ops():

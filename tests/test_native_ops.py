@@ -109,3 +109,40 @@ def test_model_gives_the_same_tokens_with_native_ops_off(llm, varied_prompts):
         runner.model.use_native_ops(ext)
     assert engine.stats.computed_tokens - before == 2 * computed  # both ran the whole prompts
     assert fused == plain
+
+
+@pytest.mark.parametrize("spin_us", [0, 1000])
+def test_worker_pool_results_do_not_depend_on_spin_or_threads(spin_us):
+    """The extension's own workers (csrc/thread_pool.h): asleep at once or spinning, 1 to 3
+    threads, every row and column of a split product is computed once and the same way."""
+    g = torch.Generator().manual_seed(spin_us)
+    w, x = torch.randn(1000, 576, generator=g), torch.randn(37, 576, generator=g)
+    panels = ext.pack_linear_weight(w)
+    threads, spin = torch.get_num_threads(), ext.spin_us()
+    try:
+        ext.set_spin_us(spin_us)
+        torch.set_num_threads(1)
+        want = ext.packed_linear(x, panels, 1000)
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            for _ in range(3):  # back-to-back loops find the workers awake (or asleep)
+                assert torch.equal(ext.packed_linear(x, panels, 1000), want)
+    finally:
+        torch.set_num_threads(threads)
+        ext.set_spin_us(spin)
+    torch.testing.assert_close(want, x @ w.T, rtol=1e-5, atol=1e-3)
+
+
+def test_worker_pool_serves_two_calling_threads():
+    """Two Python threads in the extension at once: one loop runs on the pool, the other inline;
+    both results are right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(2048, 576, generator=g)
+    panels = ext.pack_linear_weight(w)
+    xs = [torch.randn(64, 576, generator=g) for _ in range(8)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda x: ext.packed_linear(x, panels, 2048), xs))
+    for x, y in zip(xs, got):
+        torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-3)

@@ -7,6 +7,7 @@
 // gives the same bits as the unfused torch code (and as Hugging Face's); RMSNorm's sum of squares
 // is reduced in another order, which can move its last bit.
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -33,7 +34,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   float* rp = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* xr = xp + i * N;
       float* rr = rp + i * N;
@@ -57,7 +58,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({M, N}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* g = in + i * 2 * N;
       const float* u = g + N;
@@ -96,7 +97,7 @@ void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
   const float* st = sin_signed.data_ptr<float>();
   float* kc = kv_cache.data_ptr<float>();
   float* vc = kc + Hkv * S * D;
-  at::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
     float tmp[512];
     for (int64_t t = begin; t < end; ++t) {
       const float* c = ct + pos[t] * D;
@@ -127,7 +128,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   auto out = torch::empty({M}, x.options().dtype(at::kLong));
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* r = p + i * N;
       float m = -INFINITY;

@@ -11,6 +11,7 @@
 // broadcasts per k), rows of x in blocks of up to 6; the panel stays in L1/L2 across the row
 // blocks. Threads take disjoint runs of panels: each reads only its own share of the weights.
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -43,7 +44,7 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
   auto packed = torch::zeros({NP, K, kNR}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t j = 0; j < std::min(kNR, N - p * kNR); ++j)
         for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kNR + j] = src[(p * kNR + j) * K + k];
@@ -75,7 +76,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   // Measured at M = 1: 2^16 streams the weights at ~23 GB/s, 2^20 (small layers on one thread)
   // at ~14.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kNR));
-  at::parallel_for(0, NP, grain, [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, NP, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = P + p * K * kNR;
       const float* pb = bp ? bp + p * kNR : nullptr;

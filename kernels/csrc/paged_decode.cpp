@@ -10,9 +10,9 @@
 // context_lens [B]                  int64
 // out          [B, H, D]
 //
-// -fopenmp makes ATen's header-inlined parallel_for run on torch's OpenMP threads (libgomp.so.1,
-// the one torch already loaded).
+// Tasks run on the extension's worker pool (thread_pool.h), as many threads as torch uses.
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -250,7 +250,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   std::vector<int64_t> cost(a.lens, a.lens + B);
   for (int64_t& c : cost) c += 1;
   const std::vector<int64_t> cut = balanced_cuts(cost, at::get_num_threads());
-  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = cut[begin] * a.Hkv; task < cut[end] * a.Hkv; ++task)
       fn(a, task / a.Hkv, task % a.Hkv, scores);

@@ -17,6 +17,7 @@
 // context_lens [P] int64, tokens in each sequence's KV including this chunk
 // out          [T, H * D], the chunks' rows are written
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -188,7 +189,7 @@ void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
       }
   }
   const std::vector<int64_t> cut = balanced_cuts(cost, at::get_num_threads());
-  at::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+  ts::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = cut[begin]; i < cut[end]; ++i) run_task(a, tasks[i], buf);
   });
