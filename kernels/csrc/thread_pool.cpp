@@ -143,8 +143,10 @@ class Pool {
 // Never destroyed (its detached workers outlive static destruction); made again in a forked
 // child, which has none of the parent's threads.
 Pool* pool() {
+  static std::mutex made;
   static Pool* p = nullptr;
   static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(made);
   if (p == nullptr || owner != getpid()) p = new Pool(), owner = getpid();
   return p;
 }
