@@ -30,7 +30,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict | None = None
-    """HF-style rope_scaling dict (only rope_type 'llama3' changes the frequencies)."""
+    """HF-style rope_scaling dict: rope_type linear, llama3 or yarn (engine.models.layers)."""
     max_position_embeddings: int = 4096
     """Longest context the model was trained for."""
     tie_word_embeddings: bool = False

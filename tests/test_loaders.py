@@ -99,6 +99,12 @@ HF_CASES = {
         tie_word_embeddings=False, rope_theta=50000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama-linear-rope": (transformers.LlamaConfig, dict(
+        tie_word_embeddings=True, rope_scaling=dict(rope_type="linear", factor=4.0))),
+    # yarn: ramped frequencies and cos/sin scaled by 1 + 0.1 ln 4
+    "qwen2-yarn-rope": (transformers.Qwen2Config, dict(
+        tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16))),
     "mistral-tied": (transformers.MistralConfig, dict(tie_word_embeddings=True)),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
     "qwen3-qk-norm": (transformers.Qwen3Config, dict(tie_word_embeddings=True)),
@@ -191,6 +197,12 @@ def _write_llama_gguf(model, path: Path, embedded_path: str, q8: set[str] = froz
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    kind = cfg.rope_parameters.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     _copy_tokenizer_metadata(w, embedded_path)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -233,6 +245,26 @@ def test_gguf_llama_unpermuted_matches_transformers(embedded, tmp_path):
     expected = _hf_greedy(model, prompt_ids)
     _assert_varied(expected)
     assert _our_greedy(llm, PROMPTS) == expected
+
+
+@pytest.mark.parametrize("rope", [dict(rope_type="linear", factor=4.0),
+                                  dict(rope_type="yarn", factor=4.0,
+                                       original_max_position_embeddings=16)],
+                         ids=lambda r: r["rope_type"])
+def test_gguf_rope_scaling_matches_transformers(embedded, tmp_path, rope):
+    """llama.cpp's rope.scaling.* keys are read: the output follows the scaled model's."""
+    model = _hf_model(transformers.LlamaConfig, seed=11, tie_word_embeddings=False,
+                      rope_scaling=rope)
+    path = tmp_path / "tiny-scaled.gguf"
+    _write_llama_gguf(model, path, embedded.path)
+    assert load_model_source(str(path)).config.rope_scaling["rope_type"] == rope["rope_type"]
+    llm = LLM(model=str(path), **ENGINE)
+    prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    expected = _hf_greedy(model, prompt_ids)
+    _assert_varied(expected)
+    assert _our_greedy(llm, PROMPTS) == expected
+    unscaled = _hf_model(transformers.LlamaConfig, seed=11, tie_word_embeddings=False)
+    assert _hf_greedy(unscaled, prompt_ids) != expected  # the scaling changes the output
 
 
 def test_gguf_q_k_rows_come_back_in_hf_order(embedded, tmp_path):
@@ -331,6 +363,15 @@ def test_hf_unsupported_architecture(hf_dir):
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     msg = _load_error(str(hf_dir))
     assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg
+
+
+def test_hf_unsupported_rope_scaling(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    msg = _load_error(str(hf_dir))
+    assert "'dynamic'" in msg and "yarn" in msg
 
 
 def test_hf_missing_safetensors(hf_dir):

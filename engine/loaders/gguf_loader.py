@@ -120,6 +120,30 @@ def _field(f):
         return None
 
 
+def _rope_scaling(path: str, g) -> dict | None:
+    """llama.cpp's rope.scaling.* keys as an HF rope_scaling dict (Llama 3's scaling comes as the
+    rope_freqs tensor instead, see LlamaForCausalLM.load_weights)."""
+    kind = g("rope.scaling.type")
+    factor = g("rope.scaling.factor") or g("rope.scale_linear")
+    if kind is None and factor and float(factor) != 1.0:
+        kind = "linear"  # old files: rope.scale_linear alone
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        s = {"rope_type": "yarn", "factor": float(factor)}
+        orig = g("rope.scaling.original_context_length")
+        if orig:
+            s["original_max_position_embeddings"] = int(orig)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if g(f"rope.scaling.{key}"):
+                s[name] = float(g(f"rope.scaling.{key}"))
+        return s
+    raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported "
+                         f"(supported: linear, yarn)")
+
+
 def _config(path: str, fields: dict, arch: str) -> ModelConfig:
     need = [f"{arch}.{k}" for k in ("attention.head_count", "embedding_length",
                                      "feed_forward_length", "block_count")]
@@ -145,6 +169,7 @@ def _config(path: str, fields: dict, arch: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(path, g),
         max_position_embeddings=int(g("context_length", 4096)),
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",

@@ -11,6 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
 from engine.loaders.validate import check_weights
+from engine.models.layers import ROPE_TYPES, rope_type
 from engine.tokenizer import TokenizerInfo
 
 ARCHITECTURES = {
@@ -60,6 +61,9 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     theta, scaling = _rope(raw)
+    if rope_type(scaling) not in ROPE_TYPES:
+        raise ModelLoadError(f"{where}: rope scaling type {rope_type(scaling)!r} is not supported "
+                             f"(supported: {', '.join(ROPE_TYPES)})")
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],

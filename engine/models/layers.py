@@ -76,11 +76,44 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""The rope scaling types the model implements (HF's names); loaders reject any other."""
+
+
+def rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                  max_positions: int = 4096) -> torch.Tensor:
+    """RoPE's inverse frequencies, scaled as transformers scales them (modeling_rope_utils):
+    linear (position interpolation), llama3, yarn; `max_positions` is the model's
+    max_position_embeddings (yarn's default original context)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+    kind = rope_type(scaling)
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
         inv = _llama3_scale(inv, scaling)
+    elif kind == "yarn":
+        inv = _yarn_scale(head_dim, theta, scaling, max_positions)
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: "
+                         f"{', '.join(ROPE_TYPES)})")
     return inv
+
+
+def rope_attention_factor(scaling: dict | None, max_positions: int = 4096) -> float:
+    """The factor yarn multiplies cos and sin by (1.0 for every other type)."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_positions)
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+    return _yarn_mscale(factor)
 
 
 def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -94,22 +127,57 @@ def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def _yarn_factor(s: dict, max_positions: int) -> float:
+    if s.get("factor") is not None:
+        return float(s["factor"])
+    return max_positions / s.get("original_max_position_embeddings", max_positions)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_scale(dim: int, base: float, s: dict, max_positions: int) -> torch.Tensor:
+    """YaRN: interpolated frequencies (divided by the factor) for the slow dimensions,
+    extrapolated (unchanged) for the fast ones, a linear ramp between the two."""
+    factor = _yarn_factor(s, max_positions)
+    old_ctx = s.get("original_max_position_embeddings") or max_positions
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a cos/sin table built once up to max_positions.
 
     rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first half:
     one roll instead of slice, negate and concatenate, and bit-identical."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int):
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_factor: float = 1.0):
         super().__init__()
-        self.build(inv_freq, max_positions)
+        self.build(inv_freq, max_positions, attention_factor)
 
-    def build(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def build(self, inv_freq: torch.Tensor, max_positions: int,
+              attention_factor: float = 1.0) -> None:
+        """attention_factor scales cos and sin (yarn's; 1.0 leaves them bit-identical)."""
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * attention_factor,
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """positions [T]; qk [T, heads, D] (query and key heads side by side). With the native
