@@ -90,6 +90,14 @@ class CpuNativeBackend(TorchSdpaBackend):
                                 p.block_size, self.scale, out)
         return out
 
+    @staticmethod
+    def decode_only(meta) -> NativeDecodeMeta | None:
+        """The decode metadata of a step that is decodes only (for the model's one-call decode
+        stack, csrc/decode_forward.cpp), else None."""
+        if isinstance(meta, NativeMeta) and meta.prefill is None:
+            return meta.decode
+        return None
+
     def _decode_meta(self, layout: BatchLayout) -> NativeDecodeMeta:
         b = layout.num_decodes
         return NativeDecodeMeta(b, layout.block_size, layout.block_tables[:b].contiguous(),

@@ -146,3 +146,53 @@ def test_worker_pool_serves_two_calling_threads():
         got = list(pool.map(lambda x: ext.packed_linear(x, panels, 2048), xs))
     for x, y in zip(xs, got):
         torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-3)
+
+
+class _CountingOps:
+    """The extension, counting the model's one-call decode steps."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def decode_forward(self, *args):
+        self.calls += 1
+        return self.ops.decode_forward(*args)
+
+
+def _greedy_logprobs(engine, prompts, salt: str):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{salt}-{i}", p, params, cache_salt=salt)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    return [(done[f"{salt}-{i}"].token_ids, done[f"{salt}-{i}"].logprobs)
+            for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypatch, threads):
+    """csrc/decode_forward.cpp: decode-only steps run every layer in one native call, the batch
+    cut into one run of sequences per thread; tokens and logprobs equal layer by layer's to the
+    bit, for contexts of 1 to 1,500 tokens."""
+    model = llm.engine.runner.model
+    counting = _CountingOps(model.ops)
+    monkeypatch.setattr(model, "ops", counting)
+    prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
+    assert min(map(len, prompts)) <= 2 and max(map(len, prompts)) >= 1000
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
+        one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}")
+        assert counting.calls >= 8  # the steps after the last prefill chunk
+        monkeypatch.setattr(type(model), "stack_decode_min_batch", 0)
+        calls = counting.calls
+        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}")
+        assert counting.calls == calls
+    finally:
+        torch.set_num_threads(old)
+    assert one_call == by_layer

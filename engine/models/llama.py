@@ -6,12 +6,15 @@ paged KV cache and the step's metadata through the forward context (kernels.cont
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
+                                  rope_inv_freq)
 from kernels.context import get_forward_context
 
 
@@ -89,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                               max_positions)
+        mpe = cfg.max_position_embeddings
+        rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, mpe),
+                               max_positions, rope_attention_factor(cfg.rope_scaling, mpe))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -98,6 +102,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
+        decode = self._stack_decode(x.shape[0])
+        if decode is not None:
+            return self._decode_in_one_call(x, positions, decode)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
@@ -138,8 +145,57 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, ops, batch_hint: int = 64) -> None:
         """Route the element-wise ops and the linear layers through the native extension (CPU,
         fp32), or back to torch (None); the linear weights are packed again for the new path."""
+        self.ops = ops
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP, Linear)):
                 m.ops = ops
             if isinstance(m, Linear):
                 m.pack(batch_hint)
+        self._stack = None
+        if ops is not None and not self.config.qk_norm and all(
+                lin._panels is not None for lin in self.modules() if isinstance(lin, Linear)):
+            none = torch.empty(0)
+            self._stack = [t for layer in self.layers for t in (
+                layer.input_layernorm.weight, layer.self_attn.qkv_proj._panels,
+                none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias,
+                layer.self_attn.o_proj._panels, layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj._panels, layer.mlp.down_proj._panels)]
+
+    # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
+
+    stack_decode_min_batch = int(os.environ.get("TIERSERVE_STACK_DECODE_MIN_BATCH", "24"))
+    """Decode-only steps of at least this many sequences run the whole layer stack in one native
+    call, each thread taking its share of the sequences through every layer; smaller batches stay
+    layer by layer (there each thread streams only its half of the weights, which is what a small
+    batch's step time is made of). 0 turns the one-call path off."""
+
+    def _stack_decode(self, batch: int):
+        """The decode metadata when this step can run in one native call, else None."""
+        if (getattr(self, "_stack", None) is None or not self.stack_decode_min_batch
+                or batch < self.stack_decode_min_batch):
+            return None
+        ctx = get_forward_context()
+        decode_only = getattr(ctx.backend, "decode_only", None)
+        meta = decode_only(ctx.metadata) if decode_only is not None else None
+        if meta is None or meta.batch != batch or not ctx.backend.plain_kv_store(ctx.kv_caches[0]):
+            return None
+        return meta
+
+    def _decode_in_one_call(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        ctx = get_forward_context()
+        cfg = self.config
+        rope = self.layers[0].self_attn.rope
+        h = self.layers[0].input_layernorm(x)  # x stays the residual stream
+        # A row's GEMMs cost about what attention over this many context tokens does (FLOPs of
+        # the layer's linears at ~150 GFLOP/s against its K/V bytes per token at ~20 GB/s).
+        row_cost = int(2 * self._layer_params() * 20 / 150 / (2 * cfg.kv_size * 4))
+        return self.ops.decode_forward(
+            h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
+            rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
+            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads, row_cost,
+            torch.get_num_threads())
+
+    def _layer_params(self) -> int:
+        layer = self.layers[0]
+        return sum(m.weight.numel() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                              layer.mlp.gate_up_proj, layer.mlp.down_proj))

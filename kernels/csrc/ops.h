@@ -96,3 +96,16 @@ torch::Tensor pack_linear_weight(torch::Tensor w);
 // y [M, N] = x [M, K] . W^T (+ bias), W as packed by pack_linear_weight (decode-sized M).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
+
+// The decoder layers for a step of decodes only (decode_forward.cpp): x [B, hidden] is layer 0's
+// normed input, residual its input; weights are 7 per layer (input norm, qkv panels, qkv bias or
+// an empty tensor, o panels, post-attention norm, gate_up panels, down panels). Writes the final
+// norm's output into x and returns it. Rows are cut into `parts` runs of about equal cost, one per
+// thread (a row's GEMMs weigh `row_cost` context tokens).
+torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
+                             torch::Tensor slots, std::vector<torch::Tensor> weights,
+                             torch::Tensor final_norm, std::vector<torch::Tensor> kv_caches,
+                             torch::Tensor cos, torch::Tensor sin_signed,
+                             torch::Tensor block_tables, torch::Tensor context_lens,
+                             int64_t block_size, double scale, double eps, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t row_cost, int64_t parts);
