@@ -112,7 +112,7 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
-def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path):
+def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path, monkeypatch):
     config_cls, kw = HF_CASES[case]
     model = _hf_model(config_cls, seed=len(case), **kw)
     path = _save_hf(model, tokenizer_files, tmp_path / case)
@@ -125,6 +125,10 @@ def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path):
     assert [llm.get_tokenizer().encode(p) for p in PROMPTS] == prompt_ids
     assert _our_greedy(llm, PROMPTS) == expected  # strings, one batch
     assert _our_greedy(llm, prompt_ids[1]) == expected[1:2]  # token ids, alone
+    # decode steps of any size in one native call (csrc/decode_forward.cpp; not for q/k norms)
+    model = llm.engine.runner.model
+    monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
+    assert _our_greedy(llm, PROMPTS) == expected
 
 
 def test_hf_dir_config_fields(tokenizer_files, tmp_path):
