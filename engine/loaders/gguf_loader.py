@@ -129,6 +129,8 @@ def _rope_scaling(path: str, g) -> dict | None:
         kind = "linear"  # old files: rope.scale_linear alone
     if kind in (None, "none"):
         return None
+    if kind in ("linear", "yarn") and not factor:
+        raise ModelLoadError(f"{path}: rope scaling type {kind!r} without rope.scaling.factor")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":

@@ -98,6 +98,12 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.ops = None
+        """The native extension, set by use_native_ops()."""
+        self._stack: list[torch.Tensor] | None = None
+        """Every layer's weights in decode_forward's order, when the one-call path applies."""
+        self._row_cost = 0
+        """A row's GEMMs in context tokens of attention (decode_forward's balance)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
@@ -160,6 +166,12 @@ class LlamaForCausalLM(nn.Module):
                 none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias,
                 layer.self_attn.o_proj._panels, layer.post_attention_layernorm.weight,
                 layer.mlp.gate_up_proj._panels, layer.mlp.down_proj._panels)]
+            # A row's GEMMs cost about what attention over this many context tokens does (the
+            # layer's linear FLOPs at ~150 GFLOP/s against its K/V bytes per token at ~20 GB/s).
+            layer = self.layers[0]
+            params = sum(m.weight.numel() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            self._row_cost = int(2 * params * 20 / 150 / (2 * self.config.kv_size * 4))
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
@@ -171,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_decode(self, batch: int):
         """The decode metadata when this step can run in one native call, else None."""
-        if (getattr(self, "_stack", None) is None or not self.stack_decode_min_batch
+        if (self._stack is None or not self.stack_decode_min_batch
                 or batch < self.stack_decode_min_batch):
             return None
         ctx = get_forward_context()
@@ -186,16 +198,8 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         rope = self.layers[0].self_attn.rope
         h = self.layers[0].input_layernorm(x)  # x stays the residual stream
-        # A row's GEMMs cost about what attention over this many context tokens does (FLOPs of
-        # the layer's linears at ~150 GFLOP/s against its K/V bytes per token at ~20 GB/s).
-        row_cost = int(2 * self._layer_params() * 20 / 150 / (2 * cfg.kv_size * 4))
         return self.ops.decode_forward(
             h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
             rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
-            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads, row_cost,
+            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads, self._row_cost,
             torch.get_num_threads())
-
-    def _layer_params(self) -> int:
-        layer = self.layers[0]
-        return sum(m.weight.numel() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
