@@ -62,10 +62,12 @@ def test_argmax_rows_takes_the_first_maximum():
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 576, 49152), (7, 33, 17), (64, 1536, 576),
-                                   (13, 64, 40), (300, 576, 3072)])
+                                   (13, 64, 40), (24, 100, 40), (25, 64, 33), (47, 576, 960),
+                                   (300, 576, 3072)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_torch(m, k, n, bias):
-    """Every row-tile height (1..6), N not a multiple of the 16-column panel, a bias, threads."""
+    """Every row-tile height (1..6; the tall tiles' 1..24, one to three of them), N not a multiple
+    of the 16-column panel, a bias, threads."""
     g = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -73,6 +75,17 @@ def test_packed_linear_matches_torch(m, k, n, bias):
     want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5 * k ** 0.5)
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch():
+    """A decode-sized product (tall AVX-512 tiles where compiled in) and a prefill-sized one (6x16
+    AVX2 tiles) give the same rows bit for bit: the engine's outputs do not depend on the batch."""
+    g = torch.Generator().manual_seed(11)
+    w, b, x = torch.randn(200, 576, generator=g), torch.randn(200, generator=g), torch.randn(300, 576, generator=g)
+    panels = ext.pack_linear_weight(w)
+    full = ext.packed_linear(x, panels, 200, b)
+    for m in (1, 5, 17, 24, 40, 64):
+        assert torch.equal(ext.packed_linear(x[:m], panels, 200, b), full[:m]), m
 
 
 def test_packed_linear_reads_strided_rows():
