@@ -27,6 +27,15 @@ _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the extension, built with -march=native, then uses it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(l.startswith("flags") and " avx512f" in l for l in f)
+    except OSError:
+        return False
+
+
 def _tag() -> str:
     """Binaries are built with -march=native: key the cache by this CPU, the sources and flags."""
     info = platform.processor()
