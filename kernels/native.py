@@ -27,23 +27,24 @@ _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512F (the extension, built with -march=native, then uses it)."""
+@functools.cache
+def _cpu_info() -> str:
+    """The CPU's model name and flag lines ("" where /proc/cpuinfo cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(l.startswith("flags") and " avx512f" in l for l in f)
+            return "".join(l for l in f if l.startswith(("model name", "flags")))
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the extension, built with -march=native, then uses it)."""
+    return " avx512f" in _cpu_info()
 
 
 def _tag() -> str:
     """Binaries are built with -march=native: key the cache by this CPU, the sources and flags."""
-    info = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = "".join(l for l in f if l.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        pass
+    info = _cpu_info()[:4096] or platform.processor()
     h = hashlib.sha256(info.encode() + " ".join(_CFLAGS).encode())
     for path in _SOURCES + glob.glob(os.path.join(_CSRC, "*.h")):
         with open(path, "rb") as f:

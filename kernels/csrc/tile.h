@@ -118,11 +118,12 @@ inline void tile512(const float* A, int64_t lda, const float* B, int64_t K, cons
 
 using Tile512Fn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*,
                            int64_t, int64_t, const float*);
+// kTiles512[rows] for rows 1..24 (entry 0 unused).
 template <int... I>
-constexpr auto make_tiles512(std::integer_sequence<int, I...>) {
-  return std::array<Tile512Fn, sizeof...(I)>{(I == 0 ? nullptr : tile512<I == 0 ? 1 : I>)...};
+constexpr std::array<Tile512Fn, sizeof...(I) + 1> make_tiles512(std::integer_sequence<int, I...>) {
+  return {nullptr, tile512<I + 1>...};
 }
-inline constexpr auto kTiles512 = make_tiles512(std::make_integer_sequence<int, kMR512 + 1>{});
+inline constexpr auto kTiles512 = make_tiles512(std::make_integer_sequence<int, kMR512>{});
 
 }  // namespace ts
 #endif
