@@ -62,12 +62,14 @@ def test_argmax_rows_takes_the_first_maximum():
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 576, 49152), (7, 33, 17), (64, 1536, 576),
-                                   (13, 64, 40), (24, 100, 40), (25, 64, 33), (47, 576, 960),
-                                   (300, 576, 3072)])
+                                   (8, 64, 49), (9, 64, 16), (13, 64, 40), (24, 100, 40),
+                                   (25, 64, 33), (47, 576, 960), (65, 200, 50), (300, 576, 3072),
+                                   (1024, 64, 97)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_torch(m, k, n, bias):
-    """Every row-tile height (1..6; the tall tiles' 1..24, one to three of them), N not a multiple
-    of the 16-column panel, a bias, threads."""
+    """Every row-tile height (the 6x16 tile's 1..6; the AVX-512 wide tiles' 1..8, over groups of
+    1, 2 or 3 panels), N not a multiple of the 16-column panel or of a 3-panel group, a bias,
+    threads."""
     g = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -78,13 +80,13 @@ def test_packed_linear_matches_torch(m, k, n, bias):
 
 
 def test_packed_linear_rows_do_not_depend_on_the_batch():
-    """A decode-sized product (tall AVX-512 tiles where compiled in) and a prefill-sized one (6x16
-    AVX2 tiles) give the same rows bit for bit: the engine's outputs do not depend on the batch."""
+    """A decode-sized product and a prefill-sized one give the same rows bit for bit, whatever
+    row tiles they split into: the engine's outputs do not depend on the batch."""
     g = torch.Generator().manual_seed(11)
     w, b, x = torch.randn(200, 576, generator=g), torch.randn(200, generator=g), torch.randn(300, 576, generator=g)
     panels = ext.pack_linear_weight(w)
     full = ext.packed_linear(x, panels, 200, b)
-    for m in (1, 5, 17, 24, 40, 64):
+    for m in (1, 5, 8, 9, 17, 24, 40, 64, 65, 299):
         assert torch.equal(ext.packed_linear(x[:m], panels, 200, b), full[:m]), m
 
 

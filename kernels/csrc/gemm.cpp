@@ -9,10 +9,10 @@
 // (zero-padded past N), so that one panel is one contiguous run of memory that a thread streams
 // front to back. Each panel is swept by a 6x16 register tile (12 accumulators, 2 panel loads and 6
 // broadcasts per k), rows of x in blocks of up to 6; the panel stays in L1/L2 across the row
-// blocks. Where AVX-512 is compiled in, products of up to 64 rows use tall tiles instead (up to
-// 24 rows x 16 columns, tile.h), the second of which prefetches the next panel. Both give every
-// output the same FMA chain over k, so results are bit-identical either way. Threads take
-// disjoint runs of panels: each reads only its own share of the weights.
+// blocks. Where AVX-512 is compiled in, wide tiles (tile.h: up to 8 rows x 3 panels) take their
+// place at every M. Both give every output the same FMA chain over k, so results are
+// bit-identical whichever runs. Threads take disjoint runs of panels: each reads only
+// its own share of the weights.
 #include "ops.h"
 #include "thread_pool.h"
 
@@ -26,10 +26,6 @@ namespace {
 
 using ts::kMR;
 using ts::kNR;
-// Products of at most this many rows take the AVX-512 tall tiles where the CPU has them (decode
-// steps); larger ones (prefill chunks) the 6x16 AVX2 tile, ~10% faster there (measured at M =
-// 256 and 1024, Zen 4).
-constexpr int64_t kMaxTallRows = 64;
 
 // The same product without AVX2 (any CPU): one output at a time over the packed panels.
 void panel_scalar(const float* A, int64_t lda, const float* P, int64_t K, const float* bias,
@@ -84,35 +80,33 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   // at ~14.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kNR));
   ts::parallel_for(0, NP, grain, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    // Groups of up to 3 panels, each swept by the wide tiles over all rows.
+    for (int64_t p = begin; p < end; p += ts::kNBWide) {
+      const int64_t nb = std::min<int64_t>(ts::kNBWide, end - p);
+      const int64_t last = std::min(kNR, N - (p + nb - 1) * kNR);
+      for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
+        rows = ts::tile_rows_wide(M, t);
+        ts::kTilesWide[nb - 1][rows](A + m0 * lda, lda, P + p * K * kNR, K * kNR, K,
+                                     bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last);
+      }
+    }
+#else
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = P + p * K * kNR;
       const float* pb = bp ? bp + p * kNR : nullptr;
       const int64_t ncols = std::min(kNR, N - p * kNR);
-#if defined(__AVX512F__)
-      if (M <= kMaxTallRows) {
-        for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
-          rows = ts::tile_rows512(M, t);
-          // The second tile (from L2) fetches the thread's next panel into L2 as it goes, so
-          // that panel's first tile does not wait on DRAM (single thread at M = 32: ~75 -> ~88
-          // GFLOP/s; the one-call decode step at batch 64: -8%).
-          const float* next = t == 1 && p + 1 < end ? panel + K * kNR : nullptr;
-          ts::kTiles512[rows](A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, ncols,
-                              next);
-        }
-        continue;
-      }
-#endif
       for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
         rows = ts::tile_rows(M, t);
 #if defined(__AVX2__) && defined(__FMA__)
         ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * N + p * kNR, N,
                                 ncols);
 #else
-        panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows,
-                     ncols);
+        panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows, ncols);
 #endif
       }
     }
+#endif
   });
   return y;
 }
