@@ -90,9 +90,9 @@ namespace ts {
 // panels at once: up to 8 rows by 48 columns in 24 accumulators, NB panel loads and one broadcast
 // per row for each k: a third of the 6x16 tile's loads per FMA. Panels are `pstride` floats apart;
 // all but the last are whole, that one has `ncols` columns; bias (or null) holds NB * 16 values.
-// Measured (median, 2 threads, Zen 4) against the 6x16 tile at M = 96..1024: ~200 GFLOP/s
-// against ~140-180; against the 24x16 one-panel tiles (earlier used for M <= 64): 8-25% less
-// time for the model's layers at every M from 1 to 64.
+// Measured (median, 2 threads): against the 6x16 tile at M = 96..1024, ~200 GFLOP/s against
+// ~140-180 (AMD Zen 4); against the 24x16 one-panel tiles once used for M <= 64, 8-25% less time
+// for the model's five projections at every M from 1 to 64 (Intel Xeon with AVX-512).
 constexpr int kMRWide = 8;
 constexpr int kNBWide = 3;
 
