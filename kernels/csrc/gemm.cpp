@@ -24,7 +24,6 @@
 
 namespace {
 
-using ts::kMR;
 using ts::kNR;
 
 // The same product without AVX2 (any CPU): one output at a time over the packed panels.

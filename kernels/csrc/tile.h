@@ -86,15 +86,8 @@ constexpr TileFn kTiles[kMR + 1] = {nullptr,        tile<1, ACC>, tile<2, ACC>, 
 
 namespace ts {
 
-// The same product as tile<MR, false> (the same FMA chain per output, so bit-identical) over NB
-// panels at once: up to 8 rows by 48 columns in 24 accumulators, NB panel loads and one broadcast
-// per row for each k: a third of the 6x16 tile's loads per FMA. Panels are `pstride` floats apart;
-// all but the last are whole, that one has `ncols` columns; bias (or null) holds NB * 16 values.
-// Measured (median, 2 threads): against the 6x16 tile at M = 96..1024, ~200 GFLOP/s against
-// ~140-180 (AMD Zen 4); against the 24x16 one-panel tiles once used for M <= 64, 8-25% less time
-// for the model's five projections at every M from 1 to 64 (Intel Xeon with AVX-512).
-constexpr int kMRWide = 8;
-constexpr int kNBWide = 3;
+constexpr int kMRWide = 8;  // most rows of a wide tile
+constexpr int kNBWide = 3;  // most panels of a wide tile
 
 // Rows of the t-th of ceil(M / 8) wide tiles of near-equal height.
 inline int64_t tile_rows_wide(int64_t M, int64_t t) {
@@ -102,6 +95,13 @@ inline int64_t tile_rows_wide(int64_t M, int64_t t) {
   return M / tiles + (t < M % tiles ? 1 : 0);
 }
 
+// The same product as tile<MR, false> (the same FMA chain per output, so bit-identical) over NB
+// panels at once: up to 8 rows by 48 columns in 24 accumulators, NB panel loads and one broadcast
+// per row for each k: a third of the 6x16 tile's loads per FMA. Panels are `pstride` floats apart;
+// all but the last are whole, that one has `ncols` columns; bias (or null) holds NB * 16 values.
+// Measured (median, 2 threads): against the 6x16 tile at M = 96..1024, ~200 GFLOP/s against
+// ~140-180 (AMD Zen 4); against the 24x16 one-panel tiles once used for M <= 64, 8-25% less time
+// for the model's five projections at every M from 1 to 64 (Intel Xeon with AVX-512).
 template <int MR, int NB>
 inline void tile512w(const float* A, int64_t lda, const float* B, int64_t pstride, int64_t K,
                      const float* bias, float* C, int64_t ldc, int64_t ncols) {
