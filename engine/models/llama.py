@@ -177,14 +177,20 @@ class LlamaForCausalLM(nn.Module):
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
     stack_decode_min_batch = int(os.environ.get("TIERSERVE_STACK_DECODE_MIN_BATCH",
-                                                "10" if cpu_has_avx512() else "24"))
+                                                "1" if cpu_has_avx512() else "24"))
     """Decode-only steps of at least this many sequences run the whole layer stack in one native
-    call, each thread taking its share of the sequences through every layer; smaller batches stay
-    layer by layer (there each thread streams only its half of the weights, which is what a small
-    batch's step time is made of). 0 turns the one-call path off. Measured on a 2-vCPU Zen 4,
-    alternating the paths step by step: with the AVX-512 GEMM tiles the one call wins from ~10
-    sequences (batch 10: 46.8 against 55.8 ms, 16: 54.5 against 60.8 ms median; even at 8); with
-    the AVX2 tiles alone, from 24."""
+    call; smaller batches stay layer by layer (there each thread streams only its half of the
+    weights and both share every op). 0 turns the one-call path off. Measured alternating the
+    paths step by step: on a 2-vCPU Intel Xeon with AVX-512 the one call wins at every batch
+    (batch 1: 24.4 against 31.1 ms, 8: 38.1 against 40.1, 16: 46.2 against 56.5, 64: 111.9
+    against 120.8 ms median, context 256); on a 2-vCPU Zen 4 it won from 8 up (batch 10: 46.8
+    against 55.8 ms); with the AVX2 tiles alone, from 24."""
+
+    stack_decode_rows_per_thread = 8
+    """The one call gives each thread at least this many sequences: a smaller batch runs on fewer
+    threads, down to one. Each thread streams every layer's weights, which a few rows cannot
+    repay: on the Intel Xeon, batch 2 takes 24.6 ms on one thread against 31.9 on two, batch 8
+    31.0 against 38.4, batch 14 41.4 against 45.0; at 16, two threads win (46.3 against 48.2)."""
 
     def _stack_decode(self, batch: int):
         """The decode metadata when this step can run in one native call, else None."""
@@ -207,4 +213,4 @@ class LlamaForCausalLM(nn.Module):
             h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
             rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
             ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads, self._row_cost,
-            torch.get_num_threads())
+            max(1, min(torch.get_num_threads(), meta.batch // self.stack_decode_rows_per_thread)))

@@ -10,7 +10,8 @@
 // front to back. Each panel is swept by a 6x16 register tile (12 accumulators, 2 panel loads and 6
 // broadcasts per k), rows of x in blocks of up to 6; the panel stays in L1/L2 across the row
 // blocks. Where AVX-512 is compiled in, wide tiles (tile.h: up to 8 rows x 3 panels) take their
-// place at every M. Both give every output the same FMA chain over k, so results are
+// place at every M, and where a group of panels takes several of them, they prefetch the next
+// group into L2 while they sweep this one. Both give every output the same FMA chain over k, so results are
 // bit-identical whichever runs. Threads take disjoint runs of panels: each reads only
 // its own share of the weights.
 #include "ops.h"
@@ -84,10 +85,17 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
     for (int64_t p = begin; p < end; p += ts::kNBWide) {
       const int64_t nb = std::min<int64_t>(ts::kNBWide, end - p);
       const int64_t last = std::min(kNR, N - (p + nb - 1) * kNR);
+      // With several tiles per group, each prefetches its share of the next group (tile.h).
+      const int64_t tiles = (M + ts::kMRWide - 1) / ts::kMRWide;
+      const char* next = reinterpret_cast<const char*>(P + (p + nb) * K * kNR);
+      const int64_t next_lines =
+          tiles > 1 ? std::min<int64_t>(ts::kNBWide, end - p - nb) * K * kNR * 4 / 64 : 0;
       for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
         rows = ts::tile_rows_wide(M, t);
+        const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
         ts::kTilesWide[nb - 1][rows](A + m0 * lda, lda, P + p * K * kNR, K * kNR, K,
-                                     bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last);
+                                     bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last,
+                                     next + l0 * 64, l1 - l0);
       }
     }
 #else
