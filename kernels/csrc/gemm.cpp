@@ -11,8 +11,8 @@
 // broadcasts per k), rows of x in blocks of up to 6; the panel stays in L1/L2 across the row
 // blocks. Where AVX-512 is compiled in, wide tiles (tile.h: up to 8 rows x 3 panels) take their
 // place at every M, and where a group of panels takes several of them, they prefetch the next
-// group into L2 while they sweep this one. Both give every output the same FMA chain over k, so results are
-// bit-identical whichever runs. Threads take disjoint runs of panels: each reads only
+// group into L2 while they sweep this one. Both give every output the same FMA chain over k, so
+// results are bit-identical whichever runs. Threads take disjoint runs of panels: each reads only
 // its own share of the weights.
 #include "ops.h"
 #include "thread_pool.h"
