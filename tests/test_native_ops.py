@@ -164,16 +164,18 @@ def test_worker_pool_serves_two_calling_threads():
 
 
 class _CountingOps:
-    """The extension, counting the model's one-call decode steps."""
+    """The extension, counting the model's one-call decode steps and the thread counts they ask
+    for (decode_forward's last argument)."""
 
     def __init__(self, ops):
-        self.ops, self.calls = ops, 0
+        self.ops, self.calls, self.parts = ops, 0, set()
 
     def __getattr__(self, name):
         return getattr(self.ops, name)
 
     def decode_forward(self, *args):
         self.calls += 1
+        self.parts.add(args[-1])
         return self.ops.decode_forward(*args)
 
 
@@ -188,25 +190,29 @@ def _greedy_logprobs(engine, prompts, salt: str):
             for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypatch, threads):
+@pytest.mark.parametrize("threads,rows_per_thread,parts", [(1, 8, 1), (2, 1, 2), (2, 8, 1)])
+def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypatch, threads,
+                                                   rows_per_thread, parts):
     """csrc/decode_forward.cpp: decode-only steps run every layer in one native call, the batch
-    cut into one run of sequences per thread; tokens and logprobs equal layer by layer's to the
-    bit, for contexts of 1 to 1,500 tokens."""
+    cut into one run of sequences per thread (a batch of fewer than 2 x rows_per_thread on one
+    thread); tokens and logprobs equal layer by layer's to the bit, for contexts of 1 to 1,500
+    tokens."""
     model = llm.engine.runner.model
     counting = _CountingOps(model.ops)
     monkeypatch.setattr(model, "ops", counting)
+    monkeypatch.setattr(type(model), "stack_decode_rows_per_thread", rows_per_thread)
     prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
     assert min(map(len, prompts)) <= 2 and max(map(len, prompts)) >= 1000
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
-        one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}")
+        one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}-{rows_per_thread}")
         assert counting.calls >= 8  # the steps after the last prefill chunk
+        assert max(counting.parts) == parts
         monkeypatch.setattr(type(model), "stack_decode_min_batch", 0)
         calls = counting.calls
-        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}")
+        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}-{rows_per_thread}")
         assert counting.calls == calls
     finally:
         torch.set_num_threads(old)

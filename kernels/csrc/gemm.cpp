@@ -81,12 +81,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kNR));
   ts::parallel_for(0, NP, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
-    // Groups of up to 3 panels, each swept by the wide tiles over all rows.
+    // Groups of up to 3 panels, each swept by the wide tiles over all rows; with several tiles
+    // per group, each prefetches its share of the next group (tile.h).
+    const int64_t tiles = (M + ts::kMRWide - 1) / ts::kMRWide;
     for (int64_t p = begin; p < end; p += ts::kNBWide) {
       const int64_t nb = std::min<int64_t>(ts::kNBWide, end - p);
       const int64_t last = std::min(kNR, N - (p + nb - 1) * kNR);
-      // With several tiles per group, each prefetches its share of the next group (tile.h).
-      const int64_t tiles = (M + ts::kMRWide - 1) / ts::kMRWide;
       const char* next = reinterpret_cast<const char*>(P + (p + nb) * K * kNR);
       const int64_t next_lines =
           tiles > 1 ? std::min<int64_t>(ts::kNBWide, end - p - nb) * K * kNR * 4 / 64 : 0;
