@@ -12,6 +12,11 @@ requested output tokens. Same dtype (fp32) and the same torch thread count.
 
 Also: decode-step time at several batch sizes against this machine's fp32 roofline (the model's
 matmul FLOPs per token over a measured large-GEMM FLOP/s).
+
+    python bench/throughput.py --skip-hf --kv-cache-dtype float16   # tierserve with an fp16 KV cache
+
+The KV cache is fp32 (the model's dtype) unless --kv-cache-dtype says otherwise; the tables name
+it. transformers always keeps its cache in fp32.
 """
 
 from __future__ import annotations
@@ -151,6 +156,8 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="tierserve's KV cache dtype: auto (the model's, fp32) or float16")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = ap.parse_args()
@@ -158,7 +165,8 @@ def main() -> None:
     threads = configure_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=3 << 30,
-              num_threads=threads)
+              num_threads=threads, kv_cache_dtype=args.kv_cache_dtype)
+    kv = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     mc = llm.engine.model_config
     flops = gemm_flops()
     roof = flops / mc.flops_per_token()
@@ -194,7 +202,7 @@ def main() -> None:
     # the batch size whose time is the baseline of the reported run
     hf_batch = next((min(t, key=t.get) for t in hf_by_batch if t and min(t.values()) == hf), None)
 
-    print(f"\n## tierserve vs transformers ({threads} threads, fp32, backend "
+    print(f"\n## tierserve vs transformers ({threads} threads, fp32, tierserve KV {kv}, backend "
           f"{llm.engine.runner.backend.name})\n")
     print("| engine | time (s) | output tok/s |")
     print("|---|---:|---:|")
@@ -209,14 +217,15 @@ def main() -> None:
         if len(runs) > 1:
             print(f"(median of {len(runs)} runs; all ratios: "
                   + ", ".join(f"{h / o:.2f}x" for o, h in runs) + ")")
-    print(f"\n## decode step (context {args.decode_context}; roofline {roof:.0f} tok/s from "
-          f"{flops / 1e9:.0f} GFLOP/s)\n")
+    print(f"\n## decode step (context {args.decode_context}, KV {kv}; roofline {roof:.0f} tok/s "
+          f"from {flops / 1e9:.0f} GFLOP/s)\n")
     print("| batch | ms/step | tok/s | % of roofline |")
     print("|---:|---:|---:|---:|")
     for b, dt in steps.items():
         print(f"| {b} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.0f}% |")
 
-    result = {"threads": threads, "gemm_gflops": flops / 1e9, "roofline_tok_s": roof,
+    result = {"threads": threads, "kv_cache_dtype": kv, "gemm_gflops": flops / 1e9,
+              "roofline_tok_s": roof,
               "tierserve_s": ours, "transformers_s": hf, "output_tokens": out_tokens,
               "runs": [{"tierserve_s": o, "transformers_s": h,
                         "transformers_s_by_batch": {str(b): t for b, t in times.items()}}

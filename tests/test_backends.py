@@ -70,6 +70,28 @@ def test_fp8_kv_matches_torch_ref(name):
     assert rel_err(run(name, q, k, v, cache, layout, kv_scale=0.5), ref) < 1e-5
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}p{s[3]}")
+@pytest.mark.skipif(not HAS_NATIVE, reason="native extension not built")
+def test_cpu_native_fp16_kv_is_fp32_kv_of_the_rounded_values(shape):
+    """cpu_native widens fp16 blocks as it reads them: over an fp16 cache it returns, to the bit,
+    what it returns over an fp32 cache holding the same (fp16-rounded) values, in decode and in
+    prefill, for compiled shapes and the generic path (block 8, head dim 96)."""
+    h, hkv, d, bs, seqs = shape
+    q, k, v, cache, layout = make_batch(seqs, h, hkv, d, bs, kv_dtype="float16")
+    k16, v16 = k.half().float(), v.half().float()  # the step's own K/V, as the fp16 cache has them
+    assert run("cpu_native", q, k16, v16, cache, layout).equal(
+        run("cpu_native", q, k16, v16, cache.float(), layout))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_fp16_kv_matches_torch_ref(name):
+    """Every backend over an fp16 cache agrees with the oracle reading the same fp16 values."""
+    seqs = [(1, 20), (1, 47), (6, 30), (17, 17)]
+    q, k, v, cache, layout = make_batch(seqs, 9, 3, 64, 16, kv_dtype="float16")
+    ref = run("torch_ref", q, k.half().float(), v.half().float(), cache.float(), layout)
+    assert rel_err(run(name, q, k.half().float(), v.half().float(), cache, layout), ref) < 1e-5
+
+
 def test_phase_split_dispatches_each_phase():
     """The composite sends decodes to one backend and prefill chunks to the other."""
     q, k, v, cache, layout = make_batch([(1, 9), (1, 33), (7, 7), (6, 30)], 8, 2, 64, 8)

@@ -34,7 +34,9 @@ def test_silu_and_mul_matches_torch(rows):
     torch.testing.assert_close(ext.silu_and_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
 
 
-def test_rope_store_kv_is_bit_identical_to_torch():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rope_store_kv_is_bit_identical_to_torch(kv_dtype):
+    """An fp16 cache gets K/V rounded as tensor.to(torch.float16) rounds (nearest-even)."""
     h, hkv, d, t, slots = 9, 3, 64, 37, 128
     rope = RotaryEmbedding(rope_inv_freq(d, 100000.0, None), 4096)
     g = torch.Generator().manual_seed(0)
@@ -46,10 +48,10 @@ def test_rope_store_kv_is_bit_identical_to_torch():
     want_cache = torch.zeros(2, hkv, slots, d)
     want_cache[0][:, slot] = want_qk[:, h:].transpose(0, 1)
     want_cache[1][:, slot] = view[:, h + hkv:].transpose(0, 1)
-    cache = torch.zeros(2, hkv, slots, d)
+    cache = torch.zeros(2, hkv, slots, d, dtype=kv_dtype)
     ext.rope_store_kv_(qkv, pos, rope.cos, rope.sin, cache, slot, h, hkv)
     assert torch.equal(view[:, :h + hkv], want_qk)
-    assert torch.equal(cache, want_cache)
+    assert torch.equal(cache, want_cache.to(kv_dtype))
 
 
 def test_argmax_rows_takes_the_first_maximum():

@@ -82,7 +82,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin_signed, torch::Tensor kv_cache, torch::Tensor slots,
                     int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
+              "fp32 qkv, fp32 or fp16 KV cache");
   TORCH_CHECK(qkv.is_contiguous() && kv_cache.is_contiguous() && cos.is_contiguous() &&
                   sin_signed.is_contiguous(),
               "contiguous inputs");
@@ -95,8 +96,9 @@ void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* ct = cos.data_ptr<float>();
   const float* st = sin_signed.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + Hkv * S * D;
+  const bool fp16 = kv_cache.scalar_type() == at::kHalf;
+  float* kc32 = fp16 ? nullptr : kv_cache.data_ptr<float>();
+  at::Half* kc16 = fp16 ? kv_cache.data_ptr<at::Half>() : nullptr;
   ts::parallel_for(0, T, grain_rows((H + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
     float tmp[512];
     for (int64_t t = begin; t < end; ++t) {
@@ -114,9 +116,15 @@ void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
       }
       const float* k = row + H * D;
       const float* v = k + Hkv * D;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(kc + (h * S + slot[t]) * D, k + h * D, D * sizeof(float));
-        std::memcpy(vc + (h * S + slot[t]) * D, v + h * D, D * sizeof(float));
+      for (int64_t h = 0; h < Hkv; ++h) {  // K at [0, h, slot], V at [1, h, slot]
+        const int64_t at_k = (h * S + slot[t]) * D, at_v = ((Hkv + h) * S + slot[t]) * D;
+        if (fp16) {
+          kv_from_float(k + h * D, kc16 + at_k, D);
+          kv_from_float(v + h * D, kc16 + at_v, D);
+        } else {
+          kv_from_float(k + h * D, kc32 + at_k, D);
+          kv_from_float(v + h * D, kc32 + at_v, D);
+        }
       }
     }
   });

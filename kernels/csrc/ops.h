@@ -25,8 +25,11 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 // fast_exp on 8 lanes with the same steps, for loops GCC does not vectorize itself (it leaves
 // fast_exp scalar in some of them: "control flow in loop").
 inline __m256 fast_exp8(__m256 x) {
@@ -47,6 +50,41 @@ inline __m256 fast_exp8(__m256 x) {
 }
 #endif
 
+// KV caches hold fp32 or fp16 (at::Half, `--kv-cache-dtype float16`). fp16 rows are widened to
+// fp32 as they are read (exact), so a kernel computes on them what it computes on an fp32 cache
+// holding the same values; they are rounded to nearest-even as they are stored, as
+// tensor.to(torch.float16) rounds. F16C (any AVX2 CPU) converts 8 values per instruction.
+inline void kv_to_float(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void kv_to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void kv_from_float(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void kv_from_float(const float* src, at::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
+// Whether the native kernels read and write this KV cache's dtype.
+inline bool kv_dtype_supported(const torch::Tensor& kv_cache) {
+  return kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf;
+}
+
 // Boundaries 0 = c[0] <= c[1] <= ... <= c[parts] = n that cut items 0..n-1 into `parts` runs of
 // about equal total cost, for work whose items differ in cost (attention over contexts of
 // different lengths): a thread that finishes early leaves the other alone with the memory bus.
@@ -64,7 +102,7 @@ inline std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& cost, int6
   return cut;
 }
 
-// Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] -> [B, H, D].
+// Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] (fp32 or fp16) -> [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale);
 
@@ -82,7 +120,8 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 // Rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (rotate-half RoPE from the cos and
-// signed sin tables [max_pos, D]) and store k and v at their slots of kv_cache [2, Hkv, S, D].
+// signed sin tables [max_pos, D]) and store k and v at their slots of kv_cache [2, Hkv, S, D]
+// (fp32, or fp16 rounded to nearest-even).
 void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin_signed, torch::Tensor kv_cache, torch::Tensor slots,
                     int64_t num_heads, int64_t num_kv_heads);

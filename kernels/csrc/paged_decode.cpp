@@ -2,10 +2,12 @@
 // block-paged cache (no gather copy). One task per (sequence, KV head) serves that head's whole
 // GQA group, so every K/V row is read once. Compiled shapes (G, D, block size) take one pass per
 // task with online softmax (task_fixed); any other shape takes three passes: scores (reads K),
-// softmax, then the weighted sum of V rows (task_generic). fp32 throughout.
+// softmax, then the weighted sum of V rows (task_generic). fp32 arithmetic; an fp16 cache's blocks
+// are widened to fp32 as they are read (ops.h: kv_to_float), so the result is bit-identical to an
+// fp32 cache holding the same values, from half the bytes.
 //
 // q            [B, H, D]            contiguous
-// kv_cache     [2, Hkv, S, D]       S = num_blocks * block_size
+// kv_cache     [2, Hkv, S, D]       S = num_blocks * block_size, fp32 or fp16
 // block_tables [B, max_blocks]      int64
 // context_lens [B]                  int64
 // out          [B, H, D]
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -58,8 +61,9 @@ inline void scores8(const float (&q)[G][D], const float* k, float* s, int64_t n)
 // L1 as the target the misses queue up behind its few fill buffers (measured on Zen 4 with
 // round-robin block tables: 38 ms against 54 ms for 30 layers at batch 64, context 256), and a
 // row at a time, spread over the work, rather than a block in one burst (another ~15%).
-inline void prefetch_block(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 1);
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
 }
 
 inline float softmax_inplace(float* s, int64_t n) {
@@ -76,7 +80,8 @@ inline float softmax_inplace(float* s, int64_t n) {
 }
 
 struct Args {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // fp32 or at::Half, as the task's T
   const int64_t *tables, *lens;
   float* out;
   int64_t H, Hkv, S, D, G, max_blocks, block_size, q_row;
@@ -85,10 +90,11 @@ struct Args {
 
 constexpr int64_t kAhead = 2;  // blocks prefetched ahead (1: too late; 4: no better)
 
-inline void prefetch_kv(const Args& a, const float* kh, const float* vh, int64_t block, int64_t D) {
+template <typename T>
+inline void prefetch_kv(const Args& a, const T* kh, const T* vh, int64_t block, int64_t D) {
   const int64_t off = block * a.block_size * D;
-  prefetch_block(kh + off, a.block_size * D);
-  prefetch_block(vh + off, a.block_size * D);
+  prefetch_block(kh + off, a.block_size * D * sizeof(T));
+  prefetch_block(vh + off, a.block_size * D * sizeof(T));
 }
 
 // One (sequence, KV head) task with the group size, head dim and block size known at compile
@@ -96,14 +102,16 @@ inline void prefetch_kv(const Args& a, const float* kh, const float* vh, int64_t
 // running max and sum per head, the accumulator rescaled when the max grows), and the blocks two
 // ahead are prefetched, so the scattered blocks stream instead of waiting on memory one at a time.
 // Per-block softmax loops run the full block width (a short last block is padded: score -inf,
-// weight 0), so they vectorize.
-template <int G, int D, int BS>
+// weight 0), so they vectorize. An fp16 block is widened into kbuf/vbuf first.
+template <typename T, int G, int D, int BS>
 void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
   const int64_t n = a.lens[b];
   const int64_t* table = a.tables + b * a.max_blocks;
   const int64_t nblocks = (n + BS - 1) / BS;
-  const float* kh = a.k + h * a.S * D;
-  const float* vh = a.v + h * a.S * D;
+  const T* kh = static_cast<const T*>(a.k) + h * a.S * D;
+  const T* vh = static_cast<const T*>(a.v) + h * a.S * D;
+  alignas(64) float kbuf[kWiden ? BS * D : 1], vbuf[kWiden ? BS * D : 1];
   float q[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) q[g][d] = a.q[b * a.q_row + (h * G + g) * D + d] * a.scale;
@@ -114,11 +122,18 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
   for (int64_t j = 0; j < nblocks; ++j) {
     // The block kAhead on is prefetched a row at a time in the V loop below, spread over the work.
-    const float* kn = j + kAhead < nblocks ? kh + table[j + kAhead] * BS * D : nullptr;
-    const float* vn = j + kAhead < nblocks ? vh + table[j + kAhead] * BS * D : nullptr;
+    const T* kn = j + kAhead < nblocks ? kh + table[j + kAhead] * BS * D : nullptr;
+    const T* vn = j + kAhead < nblocks ? vh + table[j + kAhead] * BS * D : nullptr;
     const int64_t m = std::min<int64_t>(BS, n - j * BS);
-    const float* kb = kh + table[j] * BS * D;
-    const float* vb = vh + table[j] * BS * D;
+    const float* kb;
+    const float* vb;
+    if constexpr (kWiden) {
+      kv_to_float(kh + table[j] * BS * D, kbuf, m * D);
+      kv_to_float(vh + table[j] * BS * D, vbuf, m * D);
+      kb = kbuf, vb = vbuf;
+    } else {
+      kb = kh + table[j] * BS * D, vb = vh + table[j] * BS * D;
+    }
     int64_t i = 0;
 #ifdef TS_AVX2
     if constexpr (D % 8 == 0)
@@ -156,7 +171,7 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
     for (int64_t t = 0; t < m; ++t) {
       const float* vrow = vb + t * D;
       if (kn != nullptr)
-        for (int d = 0; d < D; d += 16) {
+        for (int d = 0; d < D; d += 64 / static_cast<int>(sizeof(T))) {
           __builtin_prefetch(kn + t * D + d, 0, 1);
           __builtin_prefetch(vn + t * D + d, 0, 1);
         }
@@ -174,16 +189,21 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
   }
 }
 
-// Any group size and head dim: the same passes with runtime bounds.
+// Any group size and head dim: the same passes with runtime bounds (rows widened one at a time).
+template <typename T>
 void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& scores) {
   const int64_t n = a.lens[b], bs = a.block_size, G = a.G, D = a.D;
   const int64_t* table = a.tables + b * a.max_blocks;
   const float* qg = a.q + b * a.q_row + h * G * D;
   float* og = a.out + (b * a.H + h * G) * D;
-  scores.resize(G * n);
+  const T* kc = static_cast<const T*>(a.k);
+  const T* vc = static_cast<const T*>(a.v);
+  scores.resize(G * n + D);
   float* s = scores.data();
+  float* row = s + G * n;
   for (int64_t t = 0; t < n; ++t) {
-    const float* krow = a.k + (h * a.S + table[t / bs] * bs + t % bs) * D;
+    kv_to_float(kc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
+    const float* krow = row;
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -195,7 +215,8 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
   for (int64_t g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * n, n);
   std::fill(og, og + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    const float* vrow = a.v + (h * a.S + table[t / bs] * bs + t % bs) * D;
+    kv_to_float(vc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
+    const float* vrow = row;
     for (int64_t g = 0; g < G; ++g) {
       const float w = s[g * n + t] * inv[g];
 #pragma omp simd
@@ -206,23 +227,25 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
 
+template <typename T>
 TaskFn pick(int64_t G, int64_t D, int64_t block_size) {
 #define TS_CASE(g, d, bs) \
-  if (G == g && D == d && block_size == bs) return task_fixed<g, d, bs>;
+  if (G == g && D == d && block_size == bs) return task_fixed<T, g, d, bs>;
 #define TS_CASES(bs)                                                                          \
   TS_CASE(1, 64, bs) TS_CASE(2, 64, bs) TS_CASE(3, 64, bs) TS_CASE(4, 64, bs) TS_CASE(8, 64, bs) \
   TS_CASE(1, 128, bs) TS_CASE(2, 128, bs) TS_CASE(4, 128, bs) TS_CASE(8, 128, bs)
   TS_CASES(16) TS_CASES(32)
 #undef TS_CASES
 #undef TS_CASE
-  return task_generic;
+  return task_generic<T>;
 }
 
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
+              "fp32 queries, fp32 or fp16 KV cache");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
   // q may be a view into the fused qkv rows: heads and dims contiguous, rows strided.
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
@@ -238,12 +261,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   a.scale = static_cast<float>(scale);
   a.q = q.data_ptr<float>();
   a.q_row = q.stride(0);
-  a.k = kv_cache.data_ptr<float>();
-  a.v = a.k + a.Hkv * a.S * a.D;
+  const bool half = kv_cache.scalar_type() == at::kHalf;
+  a.k = kv_cache.data_ptr();
+  a.v = static_cast<const char*>(a.k) + a.Hkv * a.S * a.D * kv_cache.element_size();
   a.tables = block_tables.data_ptr<int64_t>();
   a.lens = context_lens.data_ptr<int64_t>();
   a.out = out.data_ptr<float>();
-  const TaskFn fn = pick(a.G, a.D, a.block_size);
+  const TaskFn fn = half ? pick<at::Half>(a.G, a.D, a.block_size)
+                         : pick<float>(a.G, a.D, a.block_size);
   const int64_t B = q.size(0);
   // Tasks cost in proportion to their context, and contexts in a batch differ by several times:
   // one run of sequences per thread of about equal total context.

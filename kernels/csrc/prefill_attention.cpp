@@ -1,4 +1,5 @@
-// Causal prefill attention for the CPU over the paged cache, fp32: every prefill chunk of a step
+// Causal prefill attention for the CPU over the paged cache, fp32 (an fp16 cache's chunks widened to
+// fp32 as they are read, ops.h): every prefill chunk of a step
 // in one call, K/V read in place from their blocks (this step's K/V already stored there), the
 // chunk's queries at the context's end (bottom-right causal: query i of a chunk of n in a context
 // of c tokens sees keys 0 .. c - n + i).
@@ -11,7 +12,7 @@
 // of the full square. Tasks are split between threads by their key count, not their number.
 //
 // q            [T, H, D]   rows may be strided (a view of the fused qkv rows)
-// kv_cache     [2, Hkv, S, D]
+// kv_cache     [2, Hkv, S, D]  fp32 or fp16
 // block_tables [P, max_blocks] int64, the prefill sequences' rows
 // query_start  [P + 1] int64, rows of q (and out) where each sequence's chunk begins
 // context_lens [P] int64, tokens in each sequence's KV including this chunk
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "tile.h"
@@ -37,7 +39,8 @@ struct Task {
 };
 
 struct Args {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // fp32 or at::Half, as run_task's T
   const int64_t *tables, *qstart, *lens;
   float* out;
   int64_t H, Hkv, G, D, S, q_row, max_blocks, block_size;
@@ -46,18 +49,22 @@ struct Args {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // One task. Rows r = g * nq + i: query head h * G + g at chunk position q0 + i.
+template <typename T>
 void run_task(const Args& a, const Task& t, std::vector<float>& buf) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
   const int64_t G = a.G, D = a.D, s = t.seq;
   const int64_t n = a.qstart[s + 1] - a.qstart[s], ctx = a.lens[s];
   const int64_t nq = std::min(kQT, n - t.q0), R = G * nq;
   const int64_t first_pos = ctx - n + t.q0;  // absolute position of the tile's first query
-  buf.resize(R * D * 2 + R * kKC + D * kKC + 2 * R);
+  buf.resize(R * D * 2 + R * kKC + D * kKC + 2 * R + (kWiden ? 2 * kKC * D : 0));
   float* Q = buf.data();
   float* O = Q + R * D;
   float* P = O + R * D;
   float* Kt = P + R * kKC;
   float* mx = Kt + D * kKC;
   float* sum = mx + R;
+  float* kwide = sum + R;  // an fp16 chunk's K and V rows, widened
+  float* vwide = kwide + kKC * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nq; ++i) {
       const float* src = a.q + (a.qstart[s] + t.q0 + i) * a.q_row + (t.head * G + g) * D;
@@ -68,13 +75,20 @@ void run_task(const Args& a, const Task& t, std::vector<float>& buf) {
   std::fill(mx, mx + R, -INFINITY);
   std::fill(sum, sum + R, 0.f);
   const int64_t* table = a.tables + s * a.max_blocks;
-  const float* kh = a.k + t.head * a.S * D;
-  const float* vh = a.v + t.head * a.S * D;
+  const T* kh = static_cast<const T*>(a.k) + t.head * a.S * D;
+  const T* vh = static_cast<const T*>(a.v) + t.head * a.S * D;
   const int64_t keys = first_pos + nq;  // the last query sees keys [0, keys)
   for (int64_t c0 = 0; c0 < keys; c0 += kKC) {
     const int64_t slot = table[c0 / a.block_size] * a.block_size + c0 % a.block_size;
-    const float* kb = kh + slot * D;
-    const float* vb = vh + slot * D;
+    const float* kb;
+    const float* vb;
+    if constexpr (kWiden) {
+      kv_to_float(kh + slot * D, kwide, kKC * D);
+      kv_to_float(vh + slot * D, vwide, kKC * D);
+      kb = kwide, vb = vwide;
+    } else {
+      kb = kh + slot * D, vb = vh + slot * D;
+    }
     // All 16 rows of the chunk: rows past the context hold finite values of this block's unused
     // slots and are masked below, for every query.
     for (int64_t j = 0; j < kKC; ++j)
@@ -154,7 +168,8 @@ bool paged_prefill_supported(int64_t head_dim, int64_t block_size) {
 void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                     torch::Tensor query_start, torch::Tensor context_lens, int64_t block_size,
                     double scale, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
+              "fp32 queries, fp32 or fp16 KV cache");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() && out.is_contiguous(),
               "contiguous cache, tables and out");
   TORCH_CHECK(paged_prefill_supported(q.size(2), block_size), "head dim or block size unsupported");
@@ -171,8 +186,9 @@ void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
   a.q = q.data_ptr<float>();
-  a.k = kv_cache.data_ptr<float>();
-  a.v = a.k + a.Hkv * a.S * a.D;
+  const bool half = kv_cache.scalar_type() == at::kHalf;
+  a.k = kv_cache.data_ptr();
+  a.v = static_cast<const char*>(a.k) + a.Hkv * a.S * a.D * kv_cache.element_size();
   a.tables = block_tables.data_ptr<int64_t>();
   a.qstart = query_start.data_ptr<int64_t>();
   a.lens = context_lens.data_ptr<int64_t>();
@@ -191,7 +207,8 @@ void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   const std::vector<int64_t> cut = balanced_cuts(cost, at::get_num_threads());
   ts::parallel_for(0, static_cast<int64_t>(cut.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    for (int64_t i = cut[begin]; i < cut[end]; ++i) run_task(a, tasks[i], buf);
+    for (int64_t i = cut[begin]; i < cut[end]; ++i)
+      half ? run_task<at::Half>(a, tasks[i], buf) : run_task<float>(a, tasks[i], buf);
   });
 #endif
 }
