@@ -13,15 +13,17 @@ requested output tokens. Same dtype (fp32) and the same torch thread count.
 Also: decode-step time at several batch sizes against this machine's fp32 roofline (the model's
 matmul FLOPs per token over a measured large-GEMM FLOP/s).
 
-    python bench/throughput.py --skip-hf --kv-cache-dtype float16   # tierserve with an fp16 KV cache
+    python bench/throughput.py --skip-hf --kv-cache-dtype float16   # tierserve, fp16 KV cache
 
 The KV cache is fp32 (the model's dtype) unless --kv-cache-dtype says otherwise; the tables name
-it. transformers always keeps its cache in fp32.
+it. transformers always keeps its cache in fp32. The decode-step table is also measured with the
+KV dtypes of --decode-kv-also (default float16; "" for none), each in an engine of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -158,6 +160,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="tierserve's KV cache dtype: auto (the model's, fp32) or float16")
+    ap.add_argument("--decode-kv-also", default="float16",
+                    help="comma list of further KV dtypes for the decode-step table")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = ap.parse_args()
@@ -176,6 +180,19 @@ def main() -> None:
     llm.generate([[1, 2, 3] * 100] * 4, SamplingParams(max_tokens=16, ignore_eos=True))
     batches = [int(x) for x in args.decode_batches.split(",") if x]
     steps = decode_steps(llm, batches, args.decode_context, args.decode_steps)
+    by_kv = {kv: steps}
+    for name in [x for x in args.decode_kv_also.split(",") if x]:
+        other = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    kv_cache_memory_bytes=3 << 30, num_threads=threads, kv_cache_dtype=name)
+        other_kv = str(other.engine.runner.kv_dtype).removeprefix("torch.")
+        if other_kv in by_kv:
+            continue
+        log(f"decode steps with a {other_kv} KV cache")
+        other.generate([[1, 2, 3] * 100] * 4, SamplingParams(max_tokens=16, ignore_eos=True))
+        by_kv[other_kv] = decode_steps(other, batches, args.decode_context, args.decode_steps)
+        del other
+        gc.collect()
 
     reqs = workload(args)
     out_tokens = sum(o for _, o in reqs)
@@ -217,12 +234,14 @@ def main() -> None:
         if len(runs) > 1:
             print(f"(median of {len(runs)} runs; all ratios: "
                   + ", ".join(f"{h / o:.2f}x" for o, h in runs) + ")")
-    print(f"\n## decode step (context {args.decode_context}, KV {kv}; roofline {roof:.0f} tok/s "
-          f"from {flops / 1e9:.0f} GFLOP/s)\n")
-    print("| batch | ms/step | tok/s | % of roofline |")
-    print("|---:|---:|---:|---:|")
-    for b, dt in steps.items():
-        print(f"| {b} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.0f}% |")
+    print(f"\n## decode step (context {args.decode_context}; roofline {roof:.0f} tok/s from "
+          f"{flops / 1e9:.0f} GFLOP/s)\n")
+    print("| batch | KV cache | ms/step | tok/s | % of roofline |")
+    print("|---:|---|---:|---:|---:|")
+    for b in batches:
+        for name, res in by_kv.items():
+            dt = res[b]
+            print(f"| {b} | {name} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.0f}% |")
 
     result = {"threads": threads, "kv_cache_dtype": kv, "gemm_gflops": flops / 1e9,
               "roofline_tok_s": roof,
@@ -230,7 +249,10 @@ def main() -> None:
               "runs": [{"tierserve_s": o, "transformers_s": h,
                         "transformers_s_by_batch": {str(b): t for b, t in times.items()}}
                        for (o, h), times in zip(runs, hf_by_batch)],
-              "decode_ms": {b: dt * 1e3 for b, dt in steps.items()}, "args": vars(args)}
+              "decode_ms": {b: dt * 1e3 for b, dt in steps.items()},
+              "decode_ms_by_kv": {name: {b: dt * 1e3 for b, dt in res.items()}
+                                  for name, res in by_kv.items()},
+              "args": vars(args)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -251,10 +273,12 @@ def plot(r: dict, path: str) -> None:
     a.bar(names, vals, color=["tab:blue", "tab:gray"][:len(vals)])
     a.set_ylabel("output tok/s")
     a.set_title("offline throughput")
-    bs = list(r["decode_ms"])
-    tps = [int(k) / (v / 1e3) for k, v in r["decode_ms"].items()]
-    b.plot(bs, tps, "o-", label="tierserve decode")
+    by_kv = r.get("decode_ms_by_kv") or {r.get("kv_cache_dtype", "float32"): r["decode_ms"]}
+    for name, res in by_kv.items():
+        b.plot([int(k) for k in res], [int(k) / (v / 1e3) for k, v in res.items()], "o-",
+               label=f"tierserve decode, {name} KV")
     b.axhline(r["roofline_tok_s"], color="red", ls="--", label="fp32 roofline")
+    b.axhline(r["roofline_tok_s"] / 2, color="red", ls=":", label="50% of it")
     b.set_xlabel("batch")
     b.set_ylabel("tok/s")
     b.set_title("decode step")

@@ -3,6 +3,9 @@ model with them on against the model with them off."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,7 +156,6 @@ def test_worker_pool_results_do_not_depend_on_spin_or_threads(spin_us):
 def test_worker_pool_serves_two_calling_threads():
     """Two Python threads in the extension at once: one loop runs on the pool, the other inline;
     both results are right."""
-    from concurrent.futures import ThreadPoolExecutor
 
     g = torch.Generator().manual_seed(9)
     w = torch.randn(2048, 576, generator=g)
@@ -166,18 +168,18 @@ def test_worker_pool_serves_two_calling_threads():
 
 
 class _CountingOps:
-    """The extension, counting the model's one-call decode steps and the thread counts they ask
-    for (decode_forward's last argument)."""
+    """The extension, counting the model's one-call decode steps and the team sizes they ask for
+    (decode_forward's last argument)."""
 
     def __init__(self, ops):
-        self.ops, self.calls, self.parts = ops, 0, set()
+        self.ops, self.calls, self.teams = ops, 0, set()
 
     def __getattr__(self, name):
         return getattr(self.ops, name)
 
     def decode_forward(self, *args):
         self.calls += 1
-        self.parts.add(args[-1])
+        self.teams.add(args[-1])
         return self.ops.decode_forward(*args)
 
 
@@ -192,30 +194,74 @@ def _greedy_logprobs(engine, prompts, salt: str):
             for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("threads,rows_per_thread,parts", [(1, 8, 1), (2, 1, 2), (2, 8, 1)])
-def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypatch, threads,
-                                                   rows_per_thread, parts):
-    """csrc/decode_forward.cpp: decode-only steps run every layer in one native call, the batch
-    cut into one run of sequences per thread (a batch of fewer than 2 x rows_per_thread on one
-    thread); tokens and logprobs equal layer by layer's to the bit, for contexts of 1 to 1,500
-    tokens."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypatch, threads):
+    """csrc/decode_forward.cpp: decode-only steps run every layer in one native call by a team of
+    torch's threads (each GEMM's panels and the attention rows split between them, down to a batch
+    of 1 on two threads); tokens and logprobs equal layer by layer's to the bit, for contexts of 1
+    to 1,500 tokens."""
     model = llm.engine.runner.model
     counting = _CountingOps(model.ops)
     monkeypatch.setattr(model, "ops", counting)
-    monkeypatch.setattr(type(model), "stack_decode_rows_per_thread", rows_per_thread)
     prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
     assert min(map(len, prompts)) <= 2 and max(map(len, prompts)) >= 1000
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
-        one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}-{rows_per_thread}")
+        one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}")
         assert counting.calls >= 8  # the steps after the last prefill chunk
-        assert max(counting.parts) == parts
+        assert counting.teams == {threads}
         monkeypatch.setattr(type(model), "stack_decode_min_batch", 0)
         calls = counting.calls
-        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}-{rows_per_thread}")
+        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}")
         assert counting.calls == calls
     finally:
         torch.set_num_threads(old)
     assert one_call == by_layer
+
+
+def test_decode_stack_team_from_two_calling_threads(llm):
+    """Two threads call decode_forward at once: one gets the worker pool, the other's team runs
+    inline on its own thread, without barriers (thread_pool.h); both give what one call alone
+    gives. (A team waiting at a barrier for a member that never runs would hang here.)"""
+    model = llm.engine.runner.model
+    cfg, rope = model.config, model.layers[0].self_attn.rope
+    B, bs, ctx = 6, 16, 40
+    nb = -(-(ctx + 1) // bs)
+    tables = torch.arange(1, B * nb + 1).view(B, nb)
+    lens = torch.full((B,), ctx + 1, dtype=torch.long)
+    pos = torch.full((B,), ctx, dtype=torch.long)
+    slots = tables[:, ctx // bs] * bs + ctx % bs
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(B, cfg.hidden_size, generator=g)
+    # one cache set per calling thread; a call stores the same K/V at the same slots every time
+    caches = [[torch.randn(2, cfg.num_kv_heads, (B * nb + 1) * bs, cfg.head_dim, generator=g)
+               for _ in model.layers]]
+    caches.append([c.clone() for c in caches[0]])
+
+    def call(team, which):
+        x = x0.clone()
+        h = model.layers[0].input_layernorm(x0)
+        return model.ops.decode_forward(h, x, pos, slots, model._stack, model.norm.weight,
+                                        caches[which], rope.cos, rope.sin, tables, lens, bs,
+                                        cfg.head_dim ** -0.5, model.norm.eps, cfg.num_heads,
+                                        cfg.num_kv_heads, team)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = call(1, 0)
+        got = [[], []]
+        # daemon threads: a hung team fails the test instead of hanging the run
+        threads = [threading.Thread(target=lambda w: got[w].extend(call(2, w) for _ in range(100)),
+                                    args=(w,), daemon=True) for w in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a decode_forward team hung"
+    finally:
+        torch.set_num_threads(old)
+    assert len(got[0]) == len(got[1]) == 100
+    assert all(torch.equal(y, want) for y in got[0] + got[1])

@@ -16,7 +16,6 @@ from engine.config import ModelConfig
 from engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
                                   rope_inv_freq)
 from kernels.context import get_forward_context
-from kernels.native import cpu_has_avx512
 
 
 class Attention(nn.Module):
@@ -103,8 +102,6 @@ class LlamaForCausalLM(nn.Module):
         """The native extension, set by use_native_ops()."""
         self._stack: list[torch.Tensor] | None = None
         """Every layer's weights in decode_forward's order, when the one-call path applies."""
-        self._row_cost = 0
-        """A row's GEMMs in context tokens of attention (decode_forward's balance)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
@@ -167,30 +164,16 @@ class LlamaForCausalLM(nn.Module):
                 none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias,
                 layer.self_attn.o_proj._panels, layer.post_attention_layernorm.weight,
                 layer.mlp.gate_up_proj._panels, layer.mlp.down_proj._panels)]
-            # A row's GEMMs cost about what attention over this many context tokens does (the
-            # layer's linear FLOPs at ~150 GFLOP/s against its K/V bytes per token at ~20 GB/s).
-            layer = self.layers[0]
-            params = sum(m.weight.numel() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
-            self._row_cost = int(2 * params * 20 / 150 / (2 * self.config.kv_size * 4))
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
-    stack_decode_min_batch = int(os.environ.get("TIERSERVE_STACK_DECODE_MIN_BATCH",
-                                                "1" if cpu_has_avx512() else "24"))
+    stack_decode_min_batch = int(os.environ.get("TIERSERVE_STACK_DECODE_MIN_BATCH", "1"))
     """Decode-only steps of at least this many sequences run the whole layer stack in one native
-    call; smaller batches stay layer by layer (there each thread streams only its half of the
-    weights and both share every op). 0 turns the one-call path off. Measured alternating the
-    paths step by step: on a 2-vCPU Intel Xeon with AVX-512 the one call wins at every batch
-    (batch 1: 24.4 against 31.1 ms, 8: 38.1 against 40.1, 16: 46.2 against 56.5, 64: 111.9
-    against 120.8 ms median, context 256); on a 2-vCPU Zen 4 it won from 8 up (batch 10: 46.8
-    against 55.8 ms); with the AVX2 tiles alone, from 24."""
-
-    stack_decode_rows_per_thread = 8
-    """The one call gives each thread at least this many sequences: a smaller batch runs on fewer
-    threads, down to one. Each thread streams every layer's weights, which a few rows cannot
-    repay: on the Intel Xeon, batch 2 takes 24.6 ms on one thread against 31.9 on two, batch 8
-    31.0 against 38.4, batch 14 41.4 against 45.0; at 16, two threads win (46.3 against 48.2)."""
+    call, by a team of torch's threads that split every GEMM's weights and the attention rows and
+    meet at spin barriers; 0 keeps every step layer by layer. The team does the layer-by-layer
+    path's work split without its ~150 thread hand-offs and Python calls per step. Measured on a
+    2-vCPU Intel Xeon with AVX-512, the layer stack alone at context 256: batch 1 takes 16.4 ms in
+    one call against 17-21 layer by layer, batch 8 22.5 against 30.3, batch 64 97 against 108."""
 
     def _stack_decode(self, batch: int):
         """The decode metadata when this step can run in one native call, else None."""
@@ -212,5 +195,5 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.decode_forward(
             h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
             rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
-            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads, self._row_cost,
-            max(1, min(torch.get_num_threads(), meta.batch // self.stack_decode_rows_per_thread)))
+            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads,
+            torch.get_num_threads())

@@ -14,6 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_spin_us", &ts::set_spin_us, "how long idle workers stay awake between loops");
   m.def("spin_us", &ts::spin_us, "the current worker spin time");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
-  m.def("decode_forward", &decode_forward, "the decoder layers for a decode-only step, one run "
-        "of sequences per thread", py::call_guard<py::gil_scoped_release>());
+  m.def("decode_forward", &decode_forward, "the decoder layers for a decode-only step, by a "
+        "team of threads", py::call_guard<py::gil_scoped_release>());
 }

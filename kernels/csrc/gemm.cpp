@@ -40,6 +40,44 @@ void panel_scalar(const float* A, int64_t lda, const float* P, int64_t K, const 
 
 }  // namespace
 
+void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
+                   const float* bp, float* C, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  // Groups of up to 3 panels, each swept by the wide tiles over all rows; with several tiles
+  // per group, each prefetches its share of the next group (tile.h).
+  const int64_t tiles = (M + ts::kMRWide - 1) / ts::kMRWide;
+  for (int64_t p = begin; p < end; p += ts::kNBWide) {
+    const int64_t nb = std::min<int64_t>(ts::kNBWide, end - p);
+    const int64_t last = std::min(kNR, N - (p + nb - 1) * kNR);
+    const char* next = reinterpret_cast<const char*>(P + (p + nb) * K * kNR);
+    const int64_t next_lines =
+        tiles > 1 ? std::min<int64_t>(ts::kNBWide, end - p - nb) * K * kNR * 4 / 64 : 0;
+    for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
+      rows = ts::tile_rows_wide(M, t);
+      const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
+      ts::kTilesWide[nb - 1][rows](A + m0 * lda, lda, P + p * K * kNR, K * kNR, K,
+                                   bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last,
+                                   next + l0 * 64, l1 - l0);
+    }
+  }
+#else
+  for (int64_t p = begin; p < end; ++p) {
+    const float* panel = P + p * K * kNR;
+    const float* pb = bp ? bp + p * kNR : nullptr;
+    const int64_t ncols = std::min(kNR, N - p * kNR);
+    for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
+      rows = ts::tile_rows(M, t);
+#if defined(__AVX2__) && defined(__FMA__)
+      ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * N + p * kNR, N,
+                              ncols);
+#else
+      panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows, ncols);
+#endif
+    }
+  }
+#endif
+}
+
 torch::Tensor pack_linear_weight(torch::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "a 2-D fp32 weight");
   w = w.contiguous();
@@ -80,40 +118,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   // at ~14.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * K * kNR));
   ts::parallel_for(0, NP, grain, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
-    // Groups of up to 3 panels, each swept by the wide tiles over all rows; with several tiles
-    // per group, each prefetches its share of the next group (tile.h).
-    const int64_t tiles = (M + ts::kMRWide - 1) / ts::kMRWide;
-    for (int64_t p = begin; p < end; p += ts::kNBWide) {
-      const int64_t nb = std::min<int64_t>(ts::kNBWide, end - p);
-      const int64_t last = std::min(kNR, N - (p + nb - 1) * kNR);
-      const char* next = reinterpret_cast<const char*>(P + (p + nb) * K * kNR);
-      const int64_t next_lines =
-          tiles > 1 ? std::min<int64_t>(ts::kNBWide, end - p - nb) * K * kNR * 4 / 64 : 0;
-      for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
-        rows = ts::tile_rows_wide(M, t);
-        const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
-        ts::kTilesWide[nb - 1][rows](A + m0 * lda, lda, P + p * K * kNR, K * kNR, K,
-                                     bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last,
-                                     next + l0 * 64, l1 - l0);
-      }
-    }
-#else
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = P + p * K * kNR;
-      const float* pb = bp ? bp + p * kNR : nullptr;
-      const int64_t ncols = std::min(kNR, N - p * kNR);
-      for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
-        rows = ts::tile_rows(M, t);
-#if defined(__AVX2__) && defined(__FMA__)
-        ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * N + p * kNR, N,
-                                ncols);
-#else
-        panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows, ncols);
-#endif
-      }
-    }
-#endif
+    linear_panels(A, lda, M, K, P, N, bp, C, begin, end);
   });
   return y;
 }

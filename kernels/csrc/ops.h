@@ -136,15 +136,20 @@ torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
 
+// Panels [begin, end) of packed_linear's product on the calling thread: C [M, N] (row stride N)
+// from A [M, K] (row stride lda), panels P, bias padded to whole panels (or null).
+void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
+                   const float* bias, float* C, int64_t begin, int64_t end);
+
 // The decoder layers for a step of decodes only (decode_forward.cpp): x [B, hidden] is layer 0's
 // normed input, residual its input; weights are 7 per layer (input norm, qkv panels, qkv bias or
 // an empty tensor, o panels, post-attention norm, gate_up panels, down panels). Writes the final
-// norm's output into x and returns it. Rows are cut into `parts` runs of about equal cost, one per
-// thread (a row's GEMMs weigh `row_cost` context tokens).
+// norm's output into x and returns it. `team` threads take every layer together (each GEMM's
+// panels split between them, attention and element-wise ops by rows, a barrier between steps).
 torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
                              torch::Tensor slots, std::vector<torch::Tensor> weights,
                              torch::Tensor final_norm, std::vector<torch::Tensor> kv_caches,
                              torch::Tensor cos, torch::Tensor sin_signed,
                              torch::Tensor block_tables, torch::Tensor context_lens,
                              int64_t block_size, double scale, double eps, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t row_cost, int64_t parts);
+                             int64_t num_kv_heads, int64_t team);
