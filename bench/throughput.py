@@ -241,7 +241,7 @@ def main() -> None:
     for b in batches:
         for name, res in by_kv.items():
             dt = res[b]
-            print(f"| {b} | {name} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.0f}% |")
+            print(f"| {b} | {name} | {dt * 1e3:.1f} | {b / dt:.0f} | {100 * b / dt / roof:.1f}% |")
 
     result = {"threads": threads, "kv_cache_dtype": kv, "gemm_gflops": flops / 1e9,
               "roofline_tok_s": roof,
