@@ -54,9 +54,6 @@ inline __m256 fast_exp8(__m256 x) {
 // fp32 as they are read (exact), so a kernel computes on them what it computes on an fp32 cache
 // holding the same values; they are rounded to nearest-even as they are stored, as
 // tensor.to(torch.float16) rounds. F16C (any AVX2 CPU) converts 8 values per instruction.
-inline void kv_to_float(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
 inline void kv_to_float(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
@@ -65,6 +62,12 @@ inline void kv_to_float(const at::Half* src, float* dst, int64_t n) {
                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+// n cache values as fp32: an fp32 cache's own memory, an fp16 cache's widened into buf.
+inline const float* kv_row(const float* src, float*, int64_t) { return src; }
+inline const float* kv_row(const at::Half* src, float* buf, int64_t n) {
+  kv_to_float(src, buf, n);
+  return buf;
 }
 inline void kv_from_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));

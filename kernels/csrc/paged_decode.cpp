@@ -3,7 +3,7 @@
 // GQA group, so every K/V row is read once. Compiled shapes (G, D, block size) take one pass per
 // task with online softmax (task_fixed); any other shape takes three passes: scores (reads K),
 // softmax, then the weighted sum of V rows (task_generic). fp32 arithmetic; an fp16 cache's blocks
-// are widened to fp32 as they are read (ops.h: kv_to_float), so the result is bit-identical to an
+// are widened to fp32 as they are read (ops.h: kv_row), so the result is bit-identical to an
 // fp32 cache holding the same values, from half the bytes.
 //
 // q            [B, H, D]            contiguous
@@ -125,15 +125,8 @@ void task_fixed(const Args& a, int64_t b, int64_t h, std::vector<float>&) {
     const T* kn = j + kAhead < nblocks ? kh + table[j + kAhead] * BS * D : nullptr;
     const T* vn = j + kAhead < nblocks ? vh + table[j + kAhead] * BS * D : nullptr;
     const int64_t m = std::min<int64_t>(BS, n - j * BS);
-    const float* kb;
-    const float* vb;
-    if constexpr (kWiden) {
-      kv_to_float(kh + table[j] * BS * D, kbuf, m * D);
-      kv_to_float(vh + table[j] * BS * D, vbuf, m * D);
-      kb = kbuf, vb = vbuf;
-    } else {
-      kb = kh + table[j] * BS * D, vb = vh + table[j] * BS * D;
-    }
+    const float* kb = kv_row(kh + table[j] * BS * D, kbuf, m * D);
+    const float* vb = kv_row(vh + table[j] * BS * D, vbuf, m * D);
     int64_t i = 0;
 #ifdef TS_AVX2
     if constexpr (D % 8 == 0)
@@ -202,8 +195,7 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
   float* s = scores.data();
   float* row = s + G * n;
   for (int64_t t = 0; t < n; ++t) {
-    kv_to_float(kc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
-    const float* krow = row;
+    const float* krow = kv_row(kc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -215,8 +207,7 @@ void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& score
   for (int64_t g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * n, n);
   std::fill(og, og + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    kv_to_float(vc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
-    const float* vrow = row;
+    const float* vrow = kv_row(vc + (h * a.S + table[t / bs] * bs + t % bs) * D, row, D);
     for (int64_t g = 0; g < G; ++g) {
       const float w = s[g * n + t] * inv[g];
 #pragma omp simd

@@ -80,15 +80,8 @@ void run_task(const Args& a, const Task& t, std::vector<float>& buf) {
   const int64_t keys = first_pos + nq;  // the last query sees keys [0, keys)
   for (int64_t c0 = 0; c0 < keys; c0 += kKC) {
     const int64_t slot = table[c0 / a.block_size] * a.block_size + c0 % a.block_size;
-    const float* kb;
-    const float* vb;
-    if constexpr (kWiden) {
-      kv_to_float(kh + slot * D, kwide, kKC * D);
-      kv_to_float(vh + slot * D, vwide, kKC * D);
-      kb = kwide, vb = vwide;
-    } else {
-      kb = kh + slot * D, vb = vh + slot * D;
-    }
+    const float* kb = kv_row(kh + slot * D, kwide, kKC * D);
+    const float* vb = kv_row(vh + slot * D, vwide, kKC * D);
     // All 16 rows of the chunk: rows past the context hold finite values of this block's unused
     // slots and are masked below, for every query.
     for (int64_t j = 0; j < kKC; ++j)
