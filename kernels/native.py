@@ -37,11 +37,6 @@ def _cpu_info() -> str:
         return ""
 
 
-def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512F (the extension, built with -march=native, then uses it)."""
-    return " avx512f" in _cpu_info()
-
-
 def _tag() -> str:
     """Binaries are built with -march=native: key the cache by this CPU, the sources and flags."""
     info = _cpu_info()[:4096] or platform.processor()

@@ -1,8 +1,8 @@
-// Causal prefill attention for the CPU over the paged cache, fp32 (an fp16 cache's chunks widened to
-// fp32 as they are read, ops.h): every prefill chunk of a step
-// in one call, K/V read in place from their blocks (this step's K/V already stored there), the
-// chunk's queries at the context's end (bottom-right causal: query i of a chunk of n in a context
-// of c tokens sees keys 0 .. c - n + i).
+// Causal prefill attention for the CPU over the paged cache, fp32 (an fp16 cache's chunks widened
+// to fp32 as they are read, ops.h: kv_row): every prefill chunk of a step in one call, K/V read in
+// place from their blocks (this step's K/V already stored there), the chunk's queries at the
+// context's end (bottom-right causal: query i of a chunk of n in a context of c tokens sees keys
+// 0 .. c - n + i).
 //
 // One task per (sequence, KV head, tile of 16 query positions) serves the head's whole GQA group:
 // its G * 16 query rows meet each 16-key chunk of K and V once. Per chunk: S = Q K^T through the
