@@ -25,21 +25,26 @@ class Linear(nn.Module):
         """oneDNN's prepacked weight."""
         self._panels: torch.Tensor | None = None
         """The native kernel's packed weight."""
+        self._panel_bias: torch.Tensor | None = None
+        """The bias zero-padded to whole 16-column panels, for the native kernel."""
 
     def pack(self, batch_hint: int) -> None:
         """Prepack for whichever CPU kernel `ops` selects (one packed copy at a time)."""
         w = self.weight.detach()
-        self._packed = self._panels = None
+        self._packed = self._panels = self._panel_bias = None
         if w.device.type != "cpu" or w.dtype != torch.float32:
             return
         if self.ops is not None:
             self._panels = self.ops.pack_linear_weight(w)
+            if self.bias is not None:
+                self._panel_bias = F.pad(self.bias.detach(), (0, 16 * self._panels.shape[0]
+                                                              - self.bias.shape[0]))
         elif torch.backends.mkldnn.is_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None:
-            return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self.bias)
+            return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self._panel_bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -161,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
             none = torch.empty(0)
             self._stack = [t for layer in self.layers for t in (
                 layer.input_layernorm.weight, layer.self_attn.qkv_proj._panels,
-                none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias,
+                none if layer.self_attn.qkv_proj.bias is None
+                else layer.self_attn.qkv_proj._panel_bias,
                 layer.self_attn.o_proj._panels, layer.post_attention_layernorm.weight,
                 layer.mlp.gate_up_proj._panels, layer.mlp.down_proj._panels)]
 

@@ -97,14 +97,11 @@ torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Ten
     TORCH_CHECK(kv_dtype_supported(c) && c.is_contiguous(), "contiguous fp32 or fp16 KV caches");
   team = std::max<int64_t>(1, team);
   const int64_t inter = weights[6].size(1);  // down's panels: [hidden / 16, inter, 16]
-  // qkv biases padded to whole panels (linear_panels loads 16 values for the last one).
+  // qkv biases, whole panels long (Linear.pack pads them, so this copies nothing)
   std::vector<torch::Tensor> bias(layers);
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor& b = weights[l * kPerLayer + 2];
-    if (b.defined() && b.numel() > 0) {
-      bias[l] = torch::zeros({weights[l * kPerLayer + 1].size(0) * ts::kNR}, x.options());
-      bias[l].narrow(0, 0, qkv_n).copy_(b);
-    }
+    if (b.defined() && b.numel() > 0) bias[l] = panel_bias(b, weights[l * kPerLayer + 1].size(0));
   }
   const auto opts = x.options();
   // x holds each layer's normed input: layer 0's from the caller, later ones the down

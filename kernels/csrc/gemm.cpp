@@ -105,12 +105,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const float* A = x.data_ptr<float>();
   const float* P = packed.data_ptr<float>();
   float* C = y.data_ptr<float>();
-  torch::Tensor b;
-  if (bias.has_value()) {
-    // Padded to whole panels so a tile can load 16 values for the last one.
-    b = torch::zeros({NP * kNR}, x.options());
-    b.narrow(0, 0, N).copy_(bias.value());
-  }
+  const torch::Tensor b = bias.has_value() ? panel_bias(bias.value(), NP) : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   // Tasks of at least 64K multiply-adds: a product smaller than two of them stays on the calling
   // thread (waking a sleeping worker under OMP_WAIT_POLICY=PASSIVE costs more than that work).

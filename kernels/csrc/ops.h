@@ -139,6 +139,15 @@ torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
 
+// A bias for the packed kernels, whole panels long (a tile loads 16 values for the last panel):
+// bias itself where it already is (Linear.pack pads it once), else a zero-padded copy.
+inline torch::Tensor panel_bias(const torch::Tensor& bias, int64_t panels) {
+  if (bias.numel() == panels * 16 && bias.is_contiguous()) return bias;
+  torch::Tensor b = torch::zeros({panels * 16}, bias.options());
+  b.narrow(0, 0, bias.numel()).copy_(bias);
+  return b;
+}
+
 // Panels [begin, end) of packed_linear's product on the calling thread: C [M, N] (row stride N)
 // from A [M, K] (row stride lda), panels P, bias padded to whole panels (or null).
 void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
