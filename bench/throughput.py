@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.env import configure_threads  # noqa: E402
-from kernels.native import load_extension  # noqa: E402
+from tierserve.engine import LLM, SamplingParams  # noqa: E402
+from tierserve.engine.env import configure_threads  # noqa: E402
+from tierserve.kernels.native import load_extension  # noqa: E402
 
 
 def log(msg: str) -> None:

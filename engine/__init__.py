@@ -1,14 +1,33 @@
-"""tierserve's engine: everything between a request and a token."""
+"""tierserve's engine: everything between a request and a token.
 
-from engine.env import set_omp_env
+The names below load lazily: the scheduler and block pool are torch-free modules, and importing
+them (or this package) must not pull torch in."""
+
+from __future__ import annotations
+
+import importlib
+
+from tierserve.engine.env import set_omp_env
 
 set_omp_env()  # before torch starts its thread pool
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from engine.sampling_params import ParamError, SamplingParams  # noqa: E402
+_LAZY = {
+    "LLM": "tierserve.engine.llm",
+    "LLMEngine": "tierserve.engine.llm_engine",
+    "SamplingParams": "tierserve.engine.sampling_params",
+    "ParamError": "tierserve.engine.sampling_params",
+    "EngineConfig": "tierserve.engine.config",
+    "CacheConfig": "tierserve.engine.config",
+    "SchedulerConfig": "tierserve.engine.config",
+    "ModelConfig": "tierserve.engine.config",
+    "RequestOutput": "tierserve.engine.outputs",
+    "CompletionOutput": "tierserve.engine.outputs",
+}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "ParamError", "EngineConfig", "CacheConfig",
-           "SchedulerConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tierserve.engine' has no attribute {name!r}")

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import ParamError, SamplingParams
+from tierserve.engine.llm_engine import LLMEngine
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 

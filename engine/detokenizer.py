@@ -8,7 +8,7 @@ strings are searched in the tail of the text; until a request finishes, the last
 
 from __future__ import annotations
 
-from engine.tokenizer import TextTokenizer
+from tierserve.engine.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:

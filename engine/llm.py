@@ -6,10 +6,10 @@ import dataclasses
 import sys
 from typing import Sequence
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from tierserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tierserve.engine.llm_engine import LLMEngine
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampling_params import SamplingParams
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}

@@ -8,20 +8,20 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.block_hash import fingerprint
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.env import configure_threads, set_omp_env
-from engine.loaders import load_model_source
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestId, RequestStatus
-from engine.sampler import TopLogprobs
-from engine.sampling_params import ParamError, SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import TextTokenizer
-from kernels.kv_dtype import kv_elem_size
+from tierserve.engine.block_hash import fingerprint
+from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.env import configure_threads, set_omp_env
+from tierserve.engine.loaders import load_model_source
+from tierserve.engine.model_runner import ModelRunner
+from tierserve.engine.outputs import CompletionOutput, RequestOutput
+from tierserve.engine.request import Request, RequestId, RequestStatus
+from tierserve.engine.sampler import TopLogprobs
+from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.engine.scheduler import Scheduler
+from tierserve.engine.tokenizer import TextTokenizer
+from tierserve.kernels.kv_dtype import kv_elem_size
 
 log = logging.getLogger(__name__)
 

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.models import model_class
-from engine.request import RequestId
-from engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
-from engine.scheduler import SchedulerOutput
-from kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
-from kernels.composite import PhaseSplit
-from kernels.kv_dtype import kv_torch_dtype
-from kernels.native import fused_ops
-from kernels.profile import load_profile
-from kernels.router import Route, RouteQuery, describe, route_phases
+from tierserve.engine.config import EngineConfig, ModelConfig
+from tierserve.engine.models import model_class
+from tierserve.engine.request import RequestId
+from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
+from tierserve.engine.scheduler import SchedulerOutput
+from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
+from tierserve.kernels.composite import PhaseSplit
+from tierserve.kernels.kv_dtype import kv_torch_dtype
+from tierserve.kernels.native import fused_ops
+from tierserve.kernels.profile import load_profile
+from tierserve.kernels.router import Route, RouteQuery, describe, route_phases
 
 log = logging.getLogger(__name__)
 

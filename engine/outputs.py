@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import TopLogprobs
+from tierserve.engine.sampler import TopLogprobs
 
 
 @dataclass

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NewType
 
-from engine.block_hash import BlockHash
-from engine.sampling_params import SamplingParams
+from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from tierserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

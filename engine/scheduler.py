@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from engine.block_hash import extend_hashes
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestId, RequestStatus
+from tierserve.engine.block_hash import extend_hashes
+from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.config import SchedulerConfig
+from tierserve.engine.request import Request, RequestId, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels.kv_dtype import dequantize, is_fp8, quantize
+from tierserve.kernels.kv_dtype import dequantize, is_fp8, quantize
 
 
 @dataclass(frozen=True)

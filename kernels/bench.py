@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from kernels.base import BatchLayout
-from kernels.kv_dtype import kv_torch_dtype
-from kernels.registry import create_backend
+from tierserve.kernels.base import BatchLayout
+from tierserve.kernels.kv_dtype import kv_torch_dtype
+from tierserve.kernels.registry import create_backend
 
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kernels.base import AttentionBackend, BatchLayout
+from tierserve.kernels.base import AttentionBackend, BatchLayout
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kernels.base import AttentionBackend
+from tierserve.kernels.base import AttentionBackend
 
 
 @dataclass

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.base import BatchLayout, Capabilities
-from kernels.native import load_extension
-from kernels.torch_sdpa import TorchSdpaBackend
+from tierserve.kernels.base import BatchLayout, Capabilities
+from tierserve.kernels.native import load_extension
+from tierserve.kernels.torch_sdpa import TorchSdpaBackend
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.base import AttentionBackend, BatchLayout, Capabilities
+from tierserve.kernels.base import AttentionBackend, BatchLayout, Capabilities
 
 WORKSPACE_BYTES = 128 << 20
 

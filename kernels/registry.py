@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib
 
-from kernels.base import AttentionBackend
+from tierserve.kernels.base import AttentionBackend
 
 BACKENDS: dict[str, str] = {
-    "torch_sdpa": "kernels.torch_sdpa:TorchSdpaBackend",
-    "torch_ref": "kernels.torch_ref:TorchRefBackend",
-    "cpu_native": "kernels.cpu_native:CpuNativeBackend",
-    "triton": "kernels.triton_attn:TritonBackend",
-    "flashinfer": "kernels.flashinfer_attn:FlashInferBackend",
+    "torch_sdpa": "tierserve.kernels.torch_sdpa:TorchSdpaBackend",
+    "torch_ref": "tierserve.kernels.torch_ref:TorchRefBackend",
+    "cpu_native": "tierserve.kernels.cpu_native:CpuNativeBackend",
+    "triton": "tierserve.kernels.triton_attn:TritonBackend",
+    "flashinfer": "tierserve.kernels.flashinfer_attn:FlashInferBackend",
 }
 
 

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from kernels.base import Capabilities
-from kernels.kv_dtype import MODEL_DTYPE_NAMES, canonical_kv_dtype
-from kernels.profile import shape_key
-from kernels.registry import BACKENDS, backend_class
+from tierserve.kernels.base import Capabilities
+from tierserve.kernels.kv_dtype import MODEL_DTYPE_NAMES, canonical_kv_dtype
+from tierserve.kernels.profile import shape_key
+from tierserve.kernels.registry import BACKENDS, backend_class
 
 PHASES = ("prefill", "decode")
 PRIORITY = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.base import AttentionBackend, BatchLayout, Capabilities
-from kernels.torch_sdpa import context_slots
+from tierserve.kernels.base import AttentionBackend, BatchLayout, Capabilities
+from tierserve.kernels.torch_sdpa import context_slots
 
 
 class TorchRefBackend(AttentionBackend):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionBackend, BatchLayout, Capabilities
+from tierserve.kernels.base import AttentionBackend, BatchLayout, Capabilities
 
 
 @dataclass

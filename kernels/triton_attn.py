@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.base import AttentionBackend, BatchLayout, Capabilities
+from tierserve.kernels.base import AttentionBackend, BatchLayout, Capabilities
 
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 
@@ -56,7 +56,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from kernels import triton_kernels  # imports triton
+        from tierserve.kernels import triton_kernels  # imports triton
         self.k = triton_kernels
         on_gpu = self.device.type == "cuda"
         self.target_programs = (2 * torch.cuda.get_device_properties(self.device).multi_processor_count

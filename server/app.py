@@ -12,12 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine
-from server.config import ServerConfig
-from server.errors import ApiError, error_response, validation_message
-from server.metrics import ServerMetrics
-from server.routes import backends, chat, completions, models
-from server.serving import ServerContext
+from tierserve.engine.async_engine import AsyncEngine
+from tierserve.server.config import ServerConfig
+from tierserve.server.errors import ApiError, error_response, validation_message
+from tierserve.server.metrics import ServerMetrics
+from tierserve.server.routes import backends, chat, completions, models
+from tierserve.server.serving import ServerContext
 
 log = logging.getLogger(__name__)
 

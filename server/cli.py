@@ -15,7 +15,7 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import typing  # noqa: E402
 
-from server.config import FIELDS, ServerConfig, load_config  # noqa: E402
+from tierserve.server.config import FIELDS, ServerConfig, load_config  # noqa: E402
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -58,10 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
-    from engine.llm import build_config
-    from engine.llm_engine import LLMEngine
-    from server.app import build_app
+    from tierserve.engine.async_engine import AsyncEngine
+    from tierserve.engine.llm import build_config
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.server.app import build_app
 
     engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
     engine.start()
@@ -92,7 +92,10 @@ def _draining_server(config, engine):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from tierserve import LLM, SamplingParams
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     llm = LLM(model=args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -117,7 +120,7 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
 def _route_query(args: argparse.Namespace):
     import torch
 
-    from kernels.router import RouteQuery
+    from tierserve.kernels.router import RouteQuery
     cap = tuple(int(x) for x in args.capability.split(".")) if args.capability else None
     return RouteQuery(args.device, getattr(torch, args.dtype), args.kv_cache_dtype, args.head_dim,
                       args.num_heads, args.num_kv_heads, args.page_size, capability=cap,
@@ -127,8 +130,8 @@ def _route_query(args: argparse.Namespace):
 def cmd_route(args: argparse.Namespace) -> int:
     import json
 
-    from kernels.profile import load_profile
-    from kernels.router import describe, route_phases
+    from tierserve.kernels.profile import load_profile
+    from tierserve.kernels.router import describe, route_phases
     try:
         q = _route_query(args)
         routes = route_phases(q, args.attention_backend, load_profile(args.profile))
@@ -146,9 +149,9 @@ def cmd_route(args: argparse.Namespace) -> int:
 def cmd_bench_backends(args: argparse.Namespace) -> int:
     import torch
 
-    from kernels.bench import time_backend
-    from kernels.profile import save_profile
-    from kernels.router import PHASES, route
+    from tierserve.kernels.bench import time_backend
+    from tierserve.kernels.profile import save_profile
+    from tierserve.kernels.router import PHASES, route
     if args.device == "cuda" and args.capability is None:
         args.capability = "%d.%d" % torch.cuda.get_device_capability()
     q = _route_query(args)
@@ -177,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--config", default=None, help="YAML settings file (e.g. configs/default.yaml)")
+    serve.add_argument("--config", default=None, help="YAML settings file, or a preset's name (default)")
     _add_config_flags(serve)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="print one completion of TEXT (offline engine)")
@@ -185,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=ServerConfig.model)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--log-level", default="warning",
+                     help="info shows the engine's set-up (backend, KV blocks) on stderr")
     gen.set_defaults(func=cmd_generate)
     rt = sub.add_parser("route", help="print the attention backend decision for a device and shape")
     _add_shape_flags(rt)
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.loaders import ModelLoadError
+    from tierserve.engine.loaders import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:

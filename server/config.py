@@ -94,10 +94,13 @@ def parse_bytes(value: str | int) -> int:
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerConfig:
-    """YAML values, then overrides (None values in overrides are ignored)."""
+    """YAML values, then overrides (None values in overrides are ignored). `path` is a file or the
+    name of a preset shipped in tierserve.configs ("default")."""
+    from tierserve.configs import resolve
+
     values: dict[str, Any] = {}
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(resolve(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         values.update({k.replace("-", "_"): v for k, v in data.items()})

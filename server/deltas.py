@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import RequestOutput
-from engine.sampler import TopLogprobs
-from server.protocol import PromptTokensDetails, Usage
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampler import TopLogprobs
+from tierserve.server.protocol import PromptTokensDetails, Usage
 
 
 @dataclass

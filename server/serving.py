@@ -13,14 +13,14 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine, ChildRequest, EngineStopped, GroupStream, QueueFull
-from engine.outputs import RequestOutput
-from engine.sampling_params import ParamError, SamplingParams
-from server.config import ServerConfig
-from server.errors import ApiError, bad_request
-from server.metrics import RequestObserver, ServerMetrics
-from server.policy import RequestPolicy, policy_from_headers
-from server.protocol import _SamplingFields
+from tierserve.engine.async_engine import AsyncEngine, ChildRequest, EngineStopped, GroupStream, QueueFull
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.server.config import ServerConfig
+from tierserve.server.errors import ApiError, bad_request
+from tierserve.server.metrics import RequestObserver, ServerMetrics
+from tierserve.server.policy import RequestPolicy, policy_from_headers
+from tierserve.server.protocol import _SamplingFields
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine import LLM  # noqa: E402
-from engine.loaders import resolve_path  # noqa: E402
+from tierserve.engine import LLM  # noqa: E402
+from tierserve.engine.loaders import resolve_path  # noqa: E402
 
 PROMPT_LENS = [1, 2, 5, 17, 31, 64, 100, 128, 200, 333, 512, 700, 900, 1100, 1300, 1500]
 

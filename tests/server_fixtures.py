@@ -46,7 +46,7 @@ def run_server(tmp_dir: Path, *args: str, timeout: float = 180.0) -> Iterator[Ru
     """The server with small, fast settings plus `args`; stopped (SIGTERM, then kill) at exit."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--port", str(port),
            "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "2048", "--log-level",
            "warning", *args]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")

@@ -10,9 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from kernels import create_backend  # noqa: E402
-from kernels.bench import make_batch, rel_err, run_backend as run  # noqa: E402
-from kernels.composite import PhaseSplit  # noqa: E402
+from tierserve.kernels import create_backend  # noqa: E402
+from tierserve.kernels.bench import make_batch, rel_err, run_backend as run  # noqa: E402
+from tierserve.kernels.composite import PhaseSplit  # noqa: E402
 
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 
@@ -32,7 +32,7 @@ SHAPES = [
 ]
 # (the last row's trailing (1, 1) sits after a prefill: a one-token prompt is a prefill)
 
-HAS_NATIVE = __import__("kernels.native", fromlist=["x"]).load_extension() is not None
+HAS_NATIVE = __import__("tierserve.kernels.native", fromlist=["x"]).load_extension() is not None
 
 BACKENDS = (["torch_sdpa", "torch_ref"] + (["cpu_native"] if HAS_NATIVE else [])
             + (["triton"] if HAS_TRITON else []))

@@ -7,7 +7,7 @@ import sys
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tierserve.server.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

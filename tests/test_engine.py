@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from tierserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

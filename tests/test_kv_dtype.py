@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from kernels.kv_dtype import canonical_kv_dtype, kv_elem_size, kv_torch_dtype
+from tierserve.engine import LLM, SamplingParams
+from tierserve.kernels.kv_dtype import canonical_kv_dtype, kv_elem_size, kv_torch_dtype
 
 
 def test_names_and_bytes():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loaders import ModelLoadError, ModelSource, load_model_source
+from tierserve.engine import LLM, SamplingParams
+from tierserve.engine.loaders import ModelLoadError, ModelSource, load_model_source
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -439,7 +439,7 @@ def test_hf_dir_bos_like_transformers(hf_dir, bos_by):
     tokenizer_config's add_bos_token when there is a tokenizer.json, and so do we."""
     from tokenizers import Tokenizer, processors
 
-    from engine.tokenizer import TextTokenizer
+    from tierserve.engine.tokenizer import TextTokenizer
 
     if bos_by == "post_processor":
         tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import SamplingParams
-from engine.models.layers import RotaryEmbedding, rope_inv_freq
-from kernels.native import load_extension
+from tierserve.engine import SamplingParams
+from tierserve.engine.models.layers import RotaryEmbedding, rope_inv_freq
+from tierserve.kernels.native import load_extension
 
 ext = load_extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the native extension could not be built here")

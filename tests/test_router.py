@@ -11,9 +11,9 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from kernels.profile import load_profile, save_profile
-from kernels.router import RouteQuery, route, route_phases
-from server.cli import main as cli_main
+from tierserve.kernels.profile import load_profile, save_profile
+from tierserve.kernels.router import RouteQuery, route, route_phases
+from tierserve.server.cli import main as cli_main
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ABSENT = lambda pkg: pkg != "flashinfer"  # noqa: E731  (FlashInfer not installed)
@@ -117,7 +117,7 @@ def test_route_cli_json(capsys):
 
 
 def test_backends_endpoint():
-    from server.routes import backends
+    from tierserve.server.routes import backends
     routes = route_phases(q("cpu", None, F32, 64, 9, 3, "fp8_e4m3"))
     runner = SimpleNamespace(backend=SimpleNamespace(name="torch_sdpa"), routes=routes,
                              kv_dtype=torch.float8_e4m3fn)
@@ -131,6 +131,6 @@ def test_backends_endpoint():
 
 
 def test_engine_refuses_impossible_backend():
-    from engine import LLM
+    from tierserve.engine import LLM
     with pytest.raises(ValueError, match="flashinfer cannot run prefill here: device cpu"):
         LLM(attention_backend="flashinfer", kv_cache_memory_bytes=1 << 24)

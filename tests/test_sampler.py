@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, SampleRow
-from engine.sampling_params import SamplingParams
+from tierserve.engine.sampler import Sampler, SampleRow
+from tierserve.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestId, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.config import SchedulerConfig
+from tierserve.engine.request import Request, RequestId, RequestStatus
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, bs=4, **kw):

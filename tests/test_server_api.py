@@ -310,7 +310,7 @@ def test_disconnect_non_streaming_frees_blocks(server):
 
 
 def test_64_concurrent_streams_equal_offline_engine(server):
-    from engine import LLM, SamplingParams
+    from tierserve.engine import LLM, SamplingParams
 
     prompts = [f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else
                f"Write a short line about the number {i}." for i in range(64)]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
-from server.config import ServerConfig, load_config, parse_bytes
-from server.policy import policy_from_headers
+from tierserve.server.cli import build_parser
+from tierserve.server.config import ServerConfig, load_config, parse_bytes
+from tierserve.server.policy import policy_from_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from engine.loaders import load_model_source
-from engine.tokenizer import TextTokenizer
+from tierserve.engine.loaders import load_model_source
+from tierserve.engine.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -131,7 +131,7 @@ FEATURE_TEMPLATE = (
 
 
 def test_template_features_match_transformers(ours, hf):
-    from engine.tokenizer import TokenizerInfo
+    from tierserve.engine.tokenizer import TokenizerInfo
 
     info = TokenizerInfo(ours._tok, FEATURE_TEMPLATE, ours.bos_token, ours.eos_token, ours.add_bos)
     custom = TextTokenizer(info)

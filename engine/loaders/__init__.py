@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from engine.config import ModelConfig
-from engine.tokenizer import TokenizerInfo
+from tierserve.engine.config import ModelConfig
+from tierserve.engine.tokenizer import TokenizerInfo
 
 
 class ModelLoadError(Exception):
@@ -69,11 +69,11 @@ def resolve_path(name: str) -> str:
 def load_model_source(name: str) -> ModelSource:
     path = resolve_path(name)
     if os.path.isdir(path):
-        from engine.loaders.hf import load_hf_dir
+        from tierserve.engine.loaders.hf import load_hf_dir
 
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        from engine.loaders.gguf_loader import load_gguf
+        from tierserve.engine.loaders.gguf_loader import load_gguf
 
         return load_gguf(path)
     raise ModelLoadError(f"model {name!r}: expected a .gguf file or a directory with config.json")

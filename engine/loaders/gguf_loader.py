@@ -8,10 +8,10 @@ import os
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
-from engine.loaders.validate import check_weights
-from engine.tokenizer import TokenizerInfo, from_gguf_fields
+from tierserve.engine.config import ModelConfig
+from tierserve.engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.loaders.validate import check_weights
+from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
-from engine.loaders.validate import check_weights
-from engine.models.layers import ROPE_TYPES, rope_type
-from engine.tokenizer import TokenizerInfo
+from tierserve.engine.config import ModelConfig
+from tierserve.engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.loaders.validate import check_weights
+from tierserve.engine.models.layers import ROPE_TYPES, rope_type
+from tierserve.engine.tokenizer import TokenizerInfo
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 
 MODELS: dict[str, str] = {
-    "llama": "engine.models.llama:LlamaForCausalLM",
-    "mistral": "engine.models.llama:LlamaForCausalLM",
-    "qwen2": "engine.models.llama:LlamaForCausalLM",
-    "qwen3": "engine.models.llama:LlamaForCausalLM",
+    "llama": "tierserve.engine.models.llama:LlamaForCausalLM",
+    "mistral": "tierserve.engine.models.llama:LlamaForCausalLM",
+    "qwen2": "tierserve.engine.models.llama:LlamaForCausalLM",
+    "qwen3": "tierserve.engine.models.llama:LlamaForCausalLM",
 }
 
 

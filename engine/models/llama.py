@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
-                                  rope_inv_freq)
-from kernels.context import get_forward_context
+from tierserve.engine.config import ModelConfig
+from tierserve.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
+                                            rope_inv_freq)
+from tierserve.kernels.context import get_forward_context
 
 
 class Attention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.serving import context
+from tierserve.server.serving import context
 
 router = APIRouter()
 

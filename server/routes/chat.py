@@ -7,16 +7,16 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.async_engine import GroupStream
-from engine.outputs import RequestOutput
-from engine.sampler import TopLogprobs
-from server.deltas import SSE_DONE, DeltaTracker, sse, usage_of
-from server.errors import ApiError, bad_request, error_json
-from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                             ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatMessage, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
-from server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
-                            engine_failure, observed, sampling_params, start_call)
+from tierserve.engine.async_engine import GroupStream
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampler import TopLogprobs
+from tierserve.server.deltas import SSE_DONE, DeltaTracker, sse, usage_of
+from tierserve.server.errors import ApiError, bad_request, error_json
+from tierserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                       ChatMessage, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
+from tierserve.server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
+                                      engine_failure, observed, sampling_params, start_call)
 
 router = APIRouter()
 

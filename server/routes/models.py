@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.errors import ApiError, bad_request
-from server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                             TokenizeRequest, TokenizeResponse)
-from server.routes.chat import render_chat
-from server.serving import check_model, context
+from tierserve.server.errors import ApiError, bad_request
+from tierserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                       TokenizeRequest, TokenizeResponse)
+from tierserve.server.routes.chat import render_chat
+from tierserve.server.serving import check_model, context
 
 router = APIRouter()
 

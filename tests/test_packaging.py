@@ -1,0 +1,100 @@
+"""The wheel is the whole product: one `tierserve` package, the native kernels' sources and the
+presets inside, nothing installed at the top level but `tierserve`. And Hugging Face's `kernels`
+distribution (which transformers needs) lives beside it without a collision."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 600):
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{cmd}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel --no-deps .` of this checkout, built with the test environment's setuptools."""
+    out = tmp_path_factory.mktemp("wheel")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+          "-w", str(out), str(ROOT)], cwd=out)
+    (whl,) = out.glob("tierserve-*.whl")
+    return whl
+
+
+def test_wheel_holds_one_package_and_its_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"tierserve"}
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["tierserve"]
+    # every C++ source and header the native build reads, and every preset
+    for pattern, inside in (("kernels/csrc", "tierserve/kernels/csrc"), ("configs", "tierserve/configs")):
+        for f in (ROOT / pattern).iterdir():
+            if f.suffix in (".cpp", ".h", ".yaml"):
+                assert f"{inside}/{f.name}" in names, f.name
+    # every Python package of the checkout (a new subpackage must be listed in pyproject.toml)
+    for folder, pkg in (("server", "server"), ("engine", "engine"), ("kernels", "kernels")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / folder).as_posix()
+            assert f"tierserve/{pkg}/{rel}" in names, rel
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
+    """A fresh venv, the wheel installed --no-deps, dependencies from the test environment's
+    site-packages (a .pth line: offline, seconds). From a folder outside the checkout: import,
+    `tierserve generate` on the embedded model, and the native extension compiled from the
+    installed sources into a fresh cache."""
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp_path).stdout.strip())
+    # A plain path line: the test env's own .pth files (its editable tierserve) are not processed.
+    (site / "test_env_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+          "--no-index", str(wheel)], cwd=tmp_path)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = dict(os.environ, TIERSERVE_CACHE=str(tmp_path / "cache"), OMP_WAIT_POLICY="PASSIVE")
+    env.pop("PYTHONPATH", None)
+
+    r = _run([str(py), "-c", "import tierserve, tierserve.kernels.native as n, tierserve.configs as c;"
+              "print(tierserve.__version__, tierserve.__file__, n._CSRC, c.resolve('default'))"],
+             cwd=work, env=env)
+    version, init, csrc, preset = r.stdout.split()
+    assert version == __import__("tierserve").__version__
+    for path in (init, csrc, preset):
+        assert path.startswith(str(site)) and os.path.exists(path), path
+    for name in ("server", "engine", "kernels"):
+        assert not (site / name).exists()
+
+    r = _run([str(venv / "bin" / "tierserve"), "generate", "The capital of France is",
+              "--max-tokens", "8", "--log-level", "info"], cwd=work, env=env)
+    assert "Paris" in r.stdout
+    assert "backend cpu_native" in r.stderr, r.stderr[-2000:]
+    assert "unavailable" not in r.stderr
+    (ninja,) = (tmp_path / "cache" / "ext").glob("*/build.ninja")
+    assert str(site / "tierserve" / "kernels" / "csrc") in ninja.read_text()
+
+
+def test_hf_kernels_and_tierserve_side_by_side(tmp_path):
+    """transformers >= 5.25 imports Hugging Face's top-level `kernels`; ours is tierserve.kernels."""
+    code = ("import kernels, transformers, tierserve, tierserve.kernels\n"
+            "from transformers import LlamaForCausalLM\n"
+            "from tierserve import LLM, SamplingParams\n"
+            "from tierserve.kernels import create_backend\n"
+            "assert 'site-packages' in kernels.__file__, kernels.__file__\n"
+            "print(transformers.__version__)\n")
+    _run([sys.executable, "-c", code], cwd=tmp_path)
