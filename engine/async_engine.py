@@ -8,6 +8,12 @@ Ownership (nothing else touches the LLMEngine after start()):
     abort()     -> _commands  -->  engine.abort_request(...)
     GroupStream.queue         <--  loop.call_soon_threadsafe(put, outputs of one step)
 
+The loop survives its own bugs: a command or a step that raises is logged with its traceback,
+the groups it touches end with EngineError (a 500) after their requests are aborted (their
+blocks return to the pool), and the loop goes on. If the thread ends anyway, every open and
+queued group ends with EngineStopped, `alive` turns False (/health answers 503) and add_group
+refuses at once, so no client waits on a loop that is gone.
+
 A group is what one HTTP request asks for: one engine request per (prompt, choice). Its stream
 yields (child index, RequestOutput) in step order and ends after every child finished; the
 outputs carry cumulative text and token ids, so a consumer takes deltas by length.
@@ -55,6 +61,9 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    num_preemptions: int = 0
+    iteration_tokens: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    """Tokens per step as (bucket bounds, counts per bucket, sum)."""
 
 
 class QueueFull(Exception):
@@ -63,6 +72,21 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine is draining or stopped and admits nothing new."""
+
+
+class EngineError(Exception):
+    """A bug on the loop thread ended this request (the client gets a 500)."""
+
+
+class NeverAdmissible(ParamError):
+    """More engine requests in one group than the server can ever hold at once (a 400)."""
+
+
+@dataclass(frozen=True)
+class _Command:
+    fn: Callable[[], None]
+    streams: tuple[GroupStream, ...]
+    """The groups the command acts for: they end with an error if it fails."""
 
 
 class GroupStream:
@@ -74,6 +98,9 @@ class GroupStream:
         self.loop = loop
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.unfinished = set(self.index)
+        self.failed = False
+        self.started = False
+        """The loop thread registered the children (their in-flight count is settled per child)."""
 
     @property
     def finished(self) -> bool:
@@ -92,17 +119,28 @@ class GroupStream:
     def _put(self, item) -> None:  # runs on the event loop
         self.queue.put_nowait(item)
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (from any thread; once only)."""
+        if self.failed:
+            return
+        self.failed = True
+        try:
+            self.loop.call_soon_threadsafe(self._put, error)
+        except RuntimeError:  # the event loop is already closed
+            pass
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int = 256):
         self.engine = engine
         self.max_in_flight = engine.config.scheduler.max_num_seqs + max_queue
         self.snapshot = EngineSnapshot()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, GroupStream] = {}  # child id -> stream; loop thread only
         self._in_flight = 0  # engine requests admitted and not finished; guarded by _lock
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._dead = False  # set by the loop thread as it ends, before it fails what is queued
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._wake = threading.Event()
@@ -125,6 +163,11 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread is running (False before start() and after it ended)."""
+        return self._thread.is_alive() and not self._dead
+
     def start(self) -> None:
         self._publish()
         self._thread.start()
@@ -137,6 +180,12 @@ class AsyncEngine:
         """Admit every child or none (QueueFull / EngineStopped / ParamError)."""
         if self._draining or self._stopping.is_set():
             raise EngineStopped("the server is shutting down")
+        if not self.alive:
+            raise EngineStopped("the engine loop is not running")
+        if len(children) > self.max_in_flight:
+            raise NeverAdmissible("n", f"this request needs {len(children)} engine requests "
+                                  f"(prompts x n); the server holds at most {self.max_in_flight} "
+                                  f"at once (max_num_seqs + max_queue)")
         for c in children:
             self.check(c.prompt_token_ids, c.params)
         with self._lock:
@@ -145,14 +194,16 @@ class AsyncEngine:
                                 f"{self.max_in_flight} (max_num_seqs + max_queue)")
             self._in_flight += len(children)
         stream = GroupStream(children, asyncio.get_running_loop())
-        self._submit(lambda: self._add(stream))
+        self._submit(lambda: self._add(stream), stream)
+        if self._dead:  # the loop ended meanwhile: it may not have seen the command
+            stream.fail(EngineStopped("the engine loop is not running"))
         return stream
 
     def abort(self, stream: GroupStream) -> None:
         """Abort the group's unfinished children; their blocks return to the pool."""
         ids = list(stream.unfinished)
         if ids:
-            self._submit(lambda: self._abort(ids))
+            self._submit(lambda: self._abort(ids), stream)
 
     def drain(self) -> None:
         """Admit nothing new; work in flight continues."""
@@ -164,53 +215,77 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _submit(self, fn: Callable[[], None]) -> None:
-        self._commands.put(fn)
+    def _submit(self, fn: Callable[[], None], *streams: GroupStream) -> None:
+        self._commands.put(_Command(fn, streams))
         self._wake.set()
 
     # ---- loop thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a bug in a step must not leave clients hanging forever
-                log.exception("engine step failed; aborting all requests")
-                self._fail_all(RuntimeError("internal engine error"))
-                continue
-            self._dispatch(outputs)
-            self._publish()
-        self._fail_all(EngineStopped("the server shut down"))
+        reason = EngineStopped("the server shut down")
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException:
+            log.critical("the engine loop thread died", exc_info=True)
+            reason = EngineStopped("the engine loop stopped after an internal error")
+            raise
+        finally:
+            self._dead = True
+            self._fail_all(reason)
+            self._fail_queued(reason)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a bug in a step must not leave clients hanging forever
+            log.exception("engine step failed; its requests end with an internal error")
+            self._fail_all(EngineError("internal engine error"))
+            return
+        self._dispatch(outputs)
+        self._publish()
 
     def _drain_commands(self) -> None:
         while True:
             try:
-                fn = self._commands.get_nowait()
+                cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            fn()
+            try:
+                cmd.fn()
+            except Exception:
+                log.exception("engine command failed; its requests end with an internal error")
+                for stream in cmd.streams:
+                    self._fail_stream(stream, EngineError("internal engine error"))
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Commands the loop will never run: their groups end with `error`."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            for stream in cmd.streams:
+                self._fail_stream(stream, error)
 
     def _add(self, stream: GroupStream) -> None:
         now = time.monotonic()
-        added: list[str] = []
+        for c in stream.children:  # registered first: a failure below aborts what was added
+            self._streams[c.request_id] = stream
+        stream.started = True
         try:
             for c in stream.children:
                 self.engine.add_request(c.request_id, c.prompt_token_ids, c.params,
                                         priority=c.priority, cache_salt=c.cache_salt,
                                         arrival_time=now)
-                added.append(c.request_id)
         except ParamError as e:  # checked before admission; only a changed engine gets here
-            self.engine.abort_request(added)
-            self._finish_count(len(stream.children))
-            stream.loop.call_soon_threadsafe(stream._put, e)
+            self._fail_stream(stream, e)
             return
-        for rid in added:
-            self._streams[rid] = stream
         self._publish()
 
     def _abort(self, ids: list[str]) -> None:
@@ -237,16 +312,23 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_put_all, stream, items)
 
     def _fail_all(self, error: BaseException) -> None:
-        streams = {id(s): s for s in self._streams.values()}
-        if self._streams:
-            self.engine.abort_request(list(self._streams))
-            self._finish_count(len(self._streams))
-            self._streams.clear()
-        for s in streams.values():
-            try:
-                s.loop.call_soon_threadsafe(s._put, error)
-            except RuntimeError:  # the event loop is already closed
-                pass
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            self._fail_stream(stream, error)
+
+    def _fail_stream(self, stream: GroupStream, error: BaseException) -> None:
+        """End a group with `error`: abort its live requests (their blocks return to the pool)
+        and settle the in-flight count once per child, whatever state the group was in."""
+        live = [c.request_id for c in stream.children if self._streams.get(c.request_id) is stream]
+        for rid in live:
+            del self._streams[rid]
+        try:
+            self.engine.abort_request(live)
+        except Exception:  # noqa: BLE001 - the loop must go on; the pool check is the engine's
+            log.exception("aborting requests %s failed", live)
+        if not stream.failed:
+            self._finish_count(len(live) if stream.started else len(stream.children))
+        stream.fail(error)
+        self._publish()
 
     def _finish_count(self, n: int) -> None:
         with self._lock:
@@ -255,9 +337,12 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self.engine
         st, pool, sch = e.stats, e.pool, e.scheduler
+        it = st.iteration_tokens
         self.snapshot = EngineSnapshot(len(sch.running), len(sch.waiting), pool.num_blocks,
                                        pool.num_free, pool.usage, pool.queries, pool.hits,
-                                       st.prompt_tokens, st.generation_tokens, st.steps)
+                                       st.prompt_tokens, st.generation_tokens, st.steps,
+                                       sch.num_preemptions,
+                                       (it.bounds, tuple(it.counts), it.total))
 
 
 def _put_all(stream: GroupStream, items: list) -> None:

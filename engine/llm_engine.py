@@ -4,6 +4,7 @@ Not thread-safe: one thread owns it (the offline LLM, or the async engine's loop
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,28 @@ class EngineStats:
     """Tokens run through the model (prompt tokens served from the prefix cache are not)."""
     steps: int = 0
     finished_requests: int = 0
+    iteration_tokens: BucketCounts = field(default_factory=lambda: BucketCounts(ITERATION_BUCKETS))
+    """Tokens run per step (vllm:iteration_tokens_total)."""
+
+
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class BucketCounts:
+    """A histogram in plain ints, kept by the loop thread and exported at scrape time."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    """counts[i]: observations <= bounds[i] and > bounds[i-1]; the last one is above all bounds."""
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
 
 
 @dataclass
@@ -130,10 +153,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        started = time.monotonic()
         result = self.runner.execute(out)
         self.scheduler.update(out, result.sampled)
         self.stats.steps += 1
         self.stats.computed_tokens += out.num_batched_tokens
+        self.stats.iteration_tokens.observe(out.num_batched_tokens)
         now = time.monotonic()
         outputs = []
         for s in out.scheduled:
@@ -141,6 +166,7 @@ class LLMEngine:
             tr = self._tracked.get(rid)
             if tr is None:
                 continue
+            tr.metrics.setdefault("scheduled", started)
             if tr.prompt_logprobs is not None and rid in result.prompt_logprobs:
                 tr.prompt_logprobs.extend(result.prompt_logprobs[rid])
             if rid not in result.sampled:

@@ -60,6 +60,27 @@ class DeltaTracker:
                          cached_tokens=sum(self.cached_tokens.values())))
 
 
+@dataclass(frozen=True)
+class TokenInfo:
+    """One token's logprob entry, before a route puts it in its response shape."""
+
+    token: str
+    logprob: float | None
+    """None for the first prompt token, which has no logprob."""
+    top: list[tuple[str, float]]
+    """The most likely tokens at that position, with their logprobs."""
+
+
+def token_infos(tokenizer, ids: list[int], lps: list[TopLogprobs | None]) -> list[TokenInfo]:
+    """The one logprobs builder of the completion and chat routes."""
+    def text(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    return [TokenInfo(text(tid), None, []) if lp is None else
+            TokenInfo(text(tid), lp.logprob, [(text(t), v) for t, v in lp.top])
+            for tid, lp in zip(ids, lps)]
+
+
 def usage_of(outputs: list[RequestOutput], n: int) -> Usage:
     """Usage of finished outputs; child k belongs to prompt k // n (prompt tokens count once)."""
     t = DeltaTracker(len(outputs))

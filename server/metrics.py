@@ -6,11 +6,13 @@ are observed on the event loop as outputs arrive."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
 
 from tierserve.engine.async_engine import EngineSnapshot
 from tierserve.engine.outputs import RequestOutput
@@ -19,6 +21,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0)
 
@@ -39,12 +42,25 @@ class _SnapshotCollector:
         yield _counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, lbl)
         yield _counter("vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens, lbl)
         yield _counter("tierserve:engine_steps", "Engine steps run.", s.steps, lbl)
+        yield _counter("vllm:num_preemptions", "Preemptions of running requests.",
+                       s.num_preemptions, lbl)
+        yield _histogram("vllm:iteration_tokens_total", "Tokens run per engine step.",
+                         *s.iteration_tokens, lbl)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
     g = GaugeMetricFamily(name, doc, labels=["model_name"])
     g.add_metric(labels, value)
     return g
+
+
+def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: tuple[int, ...],
+               total: float, labels: list[str]) -> HistogramMetricFamily:
+    h = HistogramMetricFamily(name, doc, labels=["model_name"])
+    cumulative = list(itertools.accumulate(counts)) or [0]
+    buckets = [(str(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    h.add_metric(labels, buckets, total)
+    return h
 
 
 def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:
@@ -65,6 +81,20 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, **kw).labels(model)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, **kw).labels(model)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time from arrival to the first step that runs the request.",
+                                    buckets=_E2E_BUCKETS, **kw).labels(model)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Time from the first step to the first token.",
+                                      buckets=_E2E_BUCKETS, **kw).labels(model)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Time from the first token to the last.",
+                                     buckets=_E2E_BUCKETS, **kw).labels(model)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                       buckets=_TOKEN_BUCKETS, **kw).labels(model)
+        self.generation_tokens = Histogram("vllm:request_generation_tokens",
+                                           "Generated tokens per request.",
+                                           buckets=_TOKEN_BUCKETS, **kw).labels(model)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
         self.http_errors = Counter("tierserve:http_errors", "Error responses by status code.",
@@ -94,5 +124,23 @@ class RequestObserver:
         if out.finished:
             if arrival is not None:
                 self.m.e2e.observe(time.monotonic() - arrival)
+            self._phases(out)
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
             self.m.success.labels(self.m.model, reason or "abort").inc()
+
+    def _phases(self, out: RequestOutput) -> None:
+        """Queue, prefill and decode times and token counts of a finished request."""
+        if not out.prompt_token_ids:  # aborted before the engine took it
+            return
+        t = out.metrics
+        arrival, sched, first, last = (t.get(k) for k in ("arrival", "scheduled", "first_token",
+                                                          "last_token"))
+        if arrival is not None and sched is not None:
+            self.m.queue_time.observe(max(0.0, sched - arrival))
+        if sched is not None and first is not None:
+            self.m.prefill_time.observe(max(0.0, first - sched))
+        if first is not None and last is not None:
+            self.m.decode_time.observe(max(0.0, last - first))
+        self.m.prompt_tokens.observe(len(out.prompt_token_ids))
+        if out.outputs:
+            self.m.generation_tokens.observe(len(out.outputs[0].token_ids))

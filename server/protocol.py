@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 # ---- shared ------------------------------------------------------------------------------------
 
@@ -19,6 +19,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+    """vLLM's: with include_usage, every chunk also carries the usage so far."""
 
 
 class _SamplingFields(_Body):
@@ -180,6 +182,11 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict:
+        """Unset delta fields are left out, as vLLM and OpenAI send them (no "role": null)."""
+        return delta.model_dump(exclude_none=True)
     logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None

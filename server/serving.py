@@ -13,7 +13,8 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from tierserve.engine.async_engine import AsyncEngine, ChildRequest, EngineStopped, GroupStream, QueueFull
+from tierserve.engine.async_engine import (AsyncEngine, ChildRequest, EngineStopped, GroupStream,
+                                           QueueFull)
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.server.config import ServerConfig
@@ -121,6 +122,11 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] |
 def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: SamplingParams,
           body: _SamplingFields) -> GroupStream:
     """Fan out to one engine request per (prompt, choice): child k = prompt k // n, choice k % n."""
+    total, limit = len(prompts) * params.n, ctx.engine.max_in_flight
+    if total > limit:  # no retry could ever succeed: a 400, not a 429
+        raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} = {total} sequences; the server "
+                          f"holds at most {limit} at once (max_num_seqs + max_queue)",
+                          "n" if params.n > 1 else "prompt", code="never_admissible")
     base = uuid.uuid4().hex
     children = []
     for p, ids in enumerate(prompts):

@@ -106,12 +106,14 @@ def test_packed_linear_reads_strided_rows():
 def _greedy(engine, prompts, salt: str) -> list[list[int]]:
     """Run to completion; a cache salt of its own keeps the prefix cache from serving a prompt."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = engine.stats.computed_tokens
     for i, p in enumerate(prompts):
         engine.add_request(f"{salt}-{i}", p, params, cache_salt=salt)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    assert engine.stats.computed_tokens > 0
+    # every prompt token and every output token but the last ran through the model: no cache hit
+    assert engine.stats.computed_tokens - before == sum(len(p) + 23 for p in prompts)
     return [done[f"{salt}-{i}"] for i in range(len(prompts))]
 
 

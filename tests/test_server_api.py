@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -54,7 +55,19 @@ def test_completion_usage_and_finish(client):
     assert r.usage.completion_tokens == 8
     assert r.usage.prompt_tokens == 5
     assert r.usage.total_tokens == 13
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # 5 tokens: no full 16-token block
+
+
+def test_cached_tokens_count_the_prefix_hit(client, server):
+    prompt = "cached tokens " * 20
+    n = len(_post(server, "/tokenize", {"prompt": prompt}).json()["tokens"])
+    assert n > 32
+    first = _greedy(client, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "ct"})
+    second = _greedy(client, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "ct"})
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full 16-token block but one that would hold the last prompt token (always computed)
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
 
 
 def test_stream_equals_non_stream(client):
@@ -67,12 +80,14 @@ def test_stream_equals_non_stream(client):
 
 
 def test_n2_and_seed_reproducible(client):
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, n=2, seed=1234)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, n=2, seed=1234,
+              extra_body={"ignore_eos": True})
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
-    assert a.usage.completion_tokens <= 20
+    assert a.choices[0].text != a.choices[1].text  # choice j samples with seed + j
+    assert a.usage.completion_tokens == 20
     assert a.usage.prompt_tokens == 5  # the prompt counts once for n choices
 
 
@@ -111,9 +126,10 @@ def test_stop_string_spanning_tokens(client):
 
 
 def test_include_usage(client):
-    chunks = list(_greedy(client, max_tokens=5, stream=True,
+    chunks = list(_greedy(client, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
                           stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == 5
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + \
         chunks[-1].usage.completion_tokens
     assert all(ch.usage is None for ch in chunks[:-1])
@@ -247,20 +263,83 @@ def test_openai_client_raises_typed_errors(client):
     assert e.value.body["param"] == "temperature"
 
 
+# ---- what third-party clients (guidellm, aiperf) showed ------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_head_probes_answer_like_get(server, path):
+    r = httpx.head(server.base_url + path, timeout=10)
+    assert r.status_code == 200 and r.content == b""
+    assert httpx.get(server.base_url + path, timeout=10).status_code == 200
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.base_url + path, json={"model": MODEL, **body}, headers=h,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(x[6:]) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    (C, {"prompt": PROMPT}),
+    (CH, {"messages": [{"role": "user", "content": PROMPT}]}),
+])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(server, path, body):
+    chunks = _sse(server, path, {**body, "max_tokens": 6, "ignore_eos": True, "stream": True,
+                                 "temperature": 0, "stream_options": {
+                                     "include_usage": True, "continuous_usage_stats": True}})
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    assert [u["completion_tokens"] for u in usages[-7:]] == [1, 2, 3, 4, 5, 6, 6]
+    assert chunks[-1]["choices"] == []
+    assert len({u["prompt_tokens"] for u in usages}) == 1
+
+
+def test_chat_deltas_leave_unset_fields_out(server):
+    chunks = _sse(server, CH, {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                               "stream": True, "temperature": 0})
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    for d in deltas[1:]:
+        assert "role" not in d and None not in d.values(), d
+
+
+def test_one_chunk_per_token(server):
+    """A token whose text is complete gets a chunk of its own; chunks merge only where text must
+    be held back (an unfinished UTF-8 sequence, a possible stop string) or a token has no text
+    (a special token with skip_special_tokens)."""
+    chunks = _sse(server, C, {"prompt": PROMPT, "max_tokens": 32, "ignore_eos": True,
+                              "stream": True, "temperature": 0, "logprobs": 0})
+    assert [len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks] == [1] * 32
+
+
 # ---- metrics and disconnects -------------------------------------------------------------------
 
 
 def test_metrics_move(client, server):
     prompt = "metrics " * 40  # > 2 full KV blocks, so the prefix cache is asked (and hit)
     before = scrape(server)
-    list(_greedy(client, prompt=prompt, max_tokens=4, stream=True))
-    list(_greedy(client, prompt=prompt, max_tokens=4, stream=True))
+    for _ in range(2):
+        list(_greedy(client, prompt=prompt, max_tokens=4, stream=True,
+                     extra_body={"ignore_eos": True}))
     after = scrape(server)
     for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:request_success_total{finished_reason=length}"):
         assert after[name] > before[name], name
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens"):
+        assert after[name + "_count"] == before[name + "_count"] + 2, name
+    assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 8
+    assert after["vllm:request_prompt_tokens_sum"] >= before["vllm:request_prompt_tokens_sum"] + 80
+    assert after["vllm:iteration_tokens_total_count"] >= before["vllm:iteration_tokens_total_count"] + 8
+    assert after["vllm:iteration_tokens_total_sum"] > before["vllm:iteration_tokens_total_sum"]
+    assert "vllm:num_preemptions_total" in after
     assert after["vllm:inter_token_latency_seconds_count"] >= before[
         "vllm:inter_token_latency_seconds_count"] + 3
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -297,13 +376,30 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_disconnect_non_streaming_frees_blocks(server):
+    """The request held blocks while it ran; the client's timeout aborted it and freed them."""
     body = {"model": MODEL, "prompt": "word " * 300, "max_tokens": 1500, "ignore_eos": True}
     h = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = scrape(server).get("vllm:request_success_total{finished_reason=abort}", 0)
+    held = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not held:
+            m = scrape(server)
+            if m["vllm:num_requests_running"] == 1:
+                held.append(m["tierserve:kv_cache_blocks_total"] - m["tierserve:kv_cache_blocks_free"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.base_url + C, json=body, headers=h, timeout=1.5)
+        httpx.post(server.base_url + C, json=body, headers=h, timeout=3)
+    watcher.join()
+    assert held and held[0] >= 300 // 16  # the prompt's blocks at least
     m = _wait_all_free(server)
     assert m["tierserve:kv_cache_blocks_free"] == m["tierserve:kv_cache_blocks_total"]
     assert m["vllm:num_requests_running"] == 0
+    assert m["vllm:request_success_total{finished_reason=abort}"] == aborted + 1
 
 
 # ---- streaming equals the offline engine, under load --------------------------------------------

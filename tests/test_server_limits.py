@@ -65,6 +65,21 @@ def test_queue_full_gets_429_with_retry_after(small):
     assert r.status_code == 200  # serves normally once the queue has room
 
 
+def test_never_admissible_request_is_400_naming_n(small):
+    """2 prompts x n=2 = 4 sequences, but the server holds 2 (max_num_seqs 2 + max_queue 0): no
+    retry can succeed, so it is a 400 naming n on an idle server, not a 429 with Retry-After."""
+    url = small.base_url + "/v1/completions"
+    r = httpx.post(url, json={"model": MODEL, "prompt": ["hi", "yo"], "n": 2, "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["code"] == "never_admissible"
+    assert "4 sequences" in err["message"] and "at most 2" in err["message"]
+    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
 def test_sigterm_drains_in_flight_and_exits_0(small):
     """Last in this module: it stops the server."""
     with _long_stream(small, n=1, max_tokens=40) as r:

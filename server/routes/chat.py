@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tierserve.engine.async_engine import GroupStream
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampler import TopLogprobs
-from tierserve.server.deltas import SSE_DONE, DeltaTracker, sse, usage_of
-from tierserve.server.errors import ApiError, bad_request, error_json
+from tierserve.server.deltas import Delta, token_infos, usage_of
+from tierserve.server.errors import bad_request
 from tierserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatMessage, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
-from tierserve.server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
-                                      engine_failure, observed, sampling_params, start_call)
+                                       ChatCompletionChunk, ChatCompletionRequest,
+                                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs,
+                                       DeltaMessage, TokenLogprob, TopLogprob, Usage)
+from tierserve.server.serving import (Call, ServerContext, admit, check_model, collect, context,
+                                      sampling_params, start_call)
+from tierserve.server.streaming import sse_stream
 
 router = APIRouter()
 
@@ -37,8 +36,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = sampling_params(body, ctx, max_tokens, (top or 0) if body.logprobs else None)
     stream = admit(ctx, call, ids, params, body)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, call, stream, body, include_usage),
+        fmt = _ChatFormat(ctx, call, body, len(stream.children))
+        return StreamingResponse(sse_stream(ctx, call, stream, fmt, body.stream_options),
                                  media_type="text/event-stream")
     outputs = await collect(ctx, stream, request)
     choices = [_choice(ctx, k, out, body) for k, out in enumerate(outputs)]
@@ -93,15 +92,13 @@ def _content(m: ChatMessage, i: int) -> str:
 
 
 def _logprobs(ctx: ServerContext, ids: list[int], lps: list[TopLogprobs]) -> ChoiceLogprobs:
-    tok = ctx.engine.tokenizer
-    content = []
-    for tid, lp in zip(ids, lps):
-        s = tok.decode([tid], skip_special_tokens=False)
-        top = [TopLogprob(token=(t := tok.decode([i], skip_special_tokens=False)), logprob=v,
-                          bytes=list(t.encode())) for i, v in lp.top]
-        content.append(TokenLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()),
-                                    top_logprobs=top))
-    return ChoiceLogprobs(content=content)
+    def entry(token: str, logprob: float):
+        return dict(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    return ChoiceLogprobs(content=[
+        TokenLogprob(**entry(t.token, t.logprob),
+                     top_logprobs=[TopLogprob(**entry(s, v)) for s, v in t.top])
+        for t in token_infos(ctx.engine.tokenizer, ids, lps)])
 
 
 def _choice(ctx: ServerContext, k: int, out: RequestOutput, body: ChatCompletionRequest) -> ChatChoice:
@@ -114,32 +111,31 @@ def _choice(ctx: ServerContext, k: int, out: RequestOutput, body: ChatCompletion
                       stop_reason=c.stop_reason if c else None)
 
 
-async def _stream(ctx: ServerContext, call: Call, stream: GroupStream,
-                  body: ChatCompletionRequest, include_usage: bool) -> AsyncIterator[str]:
-    tracker = DeltaTracker(len(stream.children))
-    base = dict(id=f"chatcmpl-{call.request_id}", created=call.created,
-                model=ctx.config.model_name)
-    try:
-        for k in range(len(stream.children)):  # the role first, as OpenAI does
-            first = ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
-            yield sse(ChatCompletionChunk(choices=[first], **base).model_dump_json())
-        async for k, out in observed(stream, ctx.metrics.observer()):
-            d = tracker.delta(k, out, 0)
-            lp = None
-            if body.logprobs and d.logprobs is not None and d.token_ids:
-                lp = _logprobs(ctx, d.token_ids, d.logprobs)
-            if not d.text and d.finish_reason is None and lp is None:
-                continue
-            delta = DeltaMessage(content=d.text if d.text else None)
-            choice = ChatChunkChoice(index=k, delta=delta, logprobs=lp,
-                                     finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-            yield sse(ChatCompletionChunk(choices=[choice], **base).model_dump_json())
-        if include_usage:
-            yield sse(ChatCompletionChunk(choices=[], usage=tracker.usage(), **base).model_dump_json())
-    except ApiError as e:
-        yield sse(error_json(e))
-    except Exception as e:  # noqa: BLE001 - reported as an error event, no trace
-        yield sse(error_json(engine_failure(e)))
-    finally:
-        abort(ctx, stream)
-    yield SSE_DONE
+class _ChatFormat:
+    """Chat chunks: the assistant role first (as OpenAI sends it), then content deltas."""
+
+    def __init__(self, ctx: ServerContext, call: Call, body: ChatCompletionRequest, num_choices: int):
+        self.ctx, self.body, self.num_choices = ctx, body, num_choices
+        self.base = dict(id=f"chatcmpl-{call.request_id}", created=call.created,
+                         model=ctx.config.model_name)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        return [ChatCompletionChunk(choices=[ChatChunkChoice(
+            index=k, delta=DeltaMessage(role="assistant", content=""))], **self.base)
+            for k in range(self.num_choices)]
+
+    def prompt_index(self, k: int) -> int:
+        return 0
+
+    def chunk(self, k: int, d: Delta) -> ChatCompletionChunk | None:
+        lp = None
+        if self.body.logprobs and d.logprobs is not None and d.token_ids:
+            lp = _logprobs(self.ctx, d.token_ids, d.logprobs)
+        if not d.text and d.finish_reason is None and lp is None:
+            return None
+        choice = ChatChunkChoice(index=k, delta=DeltaMessage(content=d.text or None), logprobs=lp,
+                                 finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+        return ChatCompletionChunk(choices=[choice], **self.base)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(choices=[], usage=usage, **self.base)

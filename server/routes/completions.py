@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tierserve.engine.async_engine import GroupStream
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampler import TopLogprobs
-from tierserve.server.deltas import SSE_DONE, DeltaTracker, sse, usage_of
-from tierserve.server.errors import ApiError, bad_request, error_json
+from tierserve.server.deltas import Delta, token_infos, usage_of
+from tierserve.server.errors import bad_request
 from tierserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                       CompletionResponse)
-from tierserve.server.serving import (Call, ServerContext, abort, admit, check_model, collect, context,
-                                      engine_failure, observed, sampling_params, start_call)
+                                       CompletionResponse, Usage)
+from tierserve.server.serving import (Call, ServerContext, admit, check_model, collect, context,
+                                      sampling_params, start_call)
+from tierserve.server.streaming import sse_stream
 
 router = APIRouter()
 
@@ -33,9 +31,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     params = sampling_params(body, ctx, body.max_tokens, body.logprobs, echo_lps)
     stream = admit(ctx, call, prompts, params, body)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(ctx, call, stream, body, texts, prompts, include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream")
+        fmt = _CompletionFormat(ctx, call, body, texts, len(stream.children))
+        return StreamingResponse(sse_stream(ctx, call, stream, fmt, body.stream_options),
+                                 media_type="text/event-stream")
     outputs = await collect(ctx, stream, request)
     n = params.n
     choices = [_choice(ctx, k, out, body, texts[k // n], prompts[k // n])
@@ -70,25 +68,19 @@ def _prompts(ctx: ServerContext, prompt) -> tuple[list[list[int]], list[str]]:
     return ids, texts
 
 
-def _token_str(ctx: ServerContext, tid: int) -> str:
-    return ctx.engine.tokenizer.decode([tid], skip_special_tokens=False)
-
-
 def _logprobs(ctx: ServerContext, ids: list[int], lps: list[TopLogprobs | None],
               offset: int) -> CompletionLogprobs:
     out = CompletionLogprobs()
-    for tid, lp in zip(ids, lps):
-        s = _token_str(ctx, tid)
-        out.tokens.append(s)
+    for t in token_infos(ctx.engine.tokenizer, ids, lps):
+        out.tokens.append(t.token)
         out.text_offset.append(offset)
-        offset += len(s)
-        if lp is None:  # the first prompt token has no logprob
-            out.token_logprobs.append(None)
+        offset += len(t.token)
+        out.token_logprobs.append(t.logprob)
+        if t.logprob is None:
             out.top_logprobs.append(None)
             continue
-        out.token_logprobs.append(lp.logprob)
-        top = {_token_str(ctx, t): v for t, v in lp.top}
-        top.setdefault(s, lp.logprob)
+        top = dict(t.top)
+        top.setdefault(t.token, t.logprob)
         out.top_logprobs.append(top)
     return out
 
@@ -112,33 +104,34 @@ def _choice(ctx: ServerContext, k: int, out: RequestOutput, body: CompletionRequ
                             stop_reason=c.stop_reason if c else None)
 
 
-async def _stream(ctx: ServerContext, call: Call, stream: GroupStream, body: CompletionRequest,
-                  texts: list[str], prompts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
-    n = body.n or 1
-    tracker = DeltaTracker(len(stream.children))
-    sent = [0] * len(stream.children)  # characters of each choice sent (for text_offset)
-    base = dict(id=f"cmpl-{call.request_id}", created=call.created, model=ctx.config.model_name)
-    try:
-        async for k, out in observed(stream, ctx.metrics.observer()):
-            d = tracker.delta(k, out, k // n)
-            text = (texts[k // n] if body.echo and d.first else "") + d.text
-            lp = None
-            if body.logprobs is not None and d.logprobs is not None:
-                lp = _logprobs(ctx, d.token_ids, d.logprobs, sent[k] + len(text) - len(d.text))
-            if not text and d.finish_reason is None and lp is None:
-                continue
-            sent[k] += len(text)
-            choice = CompletionChoice(index=k, text=text, logprobs=lp,
-                                      finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-            chunk = CompletionResponse(choices=[choice], **base)
-            yield sse(chunk.model_dump_json())
-        if include_usage:
-            yield sse(CompletionResponse(choices=[], usage=tracker.usage(), **base).model_dump_json())
-    except ApiError as e:
-        yield sse(error_json(e))
-    except Exception as e:  # noqa: BLE001 - reported to the client as an error event, no trace
-        err = engine_failure(e)
-        yield sse(error_json(err))
-    finally:
-        abort(ctx, stream)
-    yield SSE_DONE
+class _CompletionFormat:
+    """Completion chunks: text deltas (the prompt first when echoing), logprobs with offsets."""
+
+    def __init__(self, ctx: ServerContext, call: Call, body: CompletionRequest, texts: list[str],
+                 num_choices: int):
+        self.ctx, self.body, self.texts = ctx, body, texts
+        self.n = body.n or 1
+        self.sent = [0] * num_choices  # characters of each choice sent (for text_offset)
+        self.base = dict(id=f"cmpl-{call.request_id}", created=call.created,
+                         model=ctx.config.model_name)
+
+    def opening(self) -> list:
+        return []
+
+    def prompt_index(self, k: int) -> int:
+        return k // self.n
+
+    def chunk(self, k: int, d: Delta) -> CompletionResponse | None:
+        text = (self.texts[k // self.n] if self.body.echo and d.first else "") + d.text
+        lp = None
+        if self.body.logprobs is not None and d.logprobs is not None:
+            lp = _logprobs(self.ctx, d.token_ids, d.logprobs, self.sent[k] + len(text) - len(d.text))
+        if not text and d.finish_reason is None and lp is None:
+            return None
+        self.sent[k] += len(text)
+        choice = CompletionChoice(index=k, text=text, logprobs=lp,
+                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+        return CompletionResponse(choices=[choice], **self.base)
+
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(choices=[], usage=usage, **self.base)

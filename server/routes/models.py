@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                       TokenizeRequest, TokenizeResponse)
+                             TokenizeRequest, TokenizeResponse)
 from tierserve.server.routes.chat import render_chat
 from tierserve.server.serving import check_model, context
 
@@ -22,11 +22,16 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-@router.get("/health")
+# Probes send HEAD as often as GET: both answer the same (HEAD without a body).
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
-    if context(request).engine.draining:
+    engine = context(request).engine
+    if engine.draining:
         raise ApiError(503, "the server is shutting down", type_="server_error",
                        code="shutting_down")
+    if not engine.alive:
+        raise ApiError(503, "the engine loop is not running", type_="server_error",
+                       code="engine_dead")
     return Response(status_code=200)
 
 
@@ -55,7 +60,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(context(request).metrics.registry),
                     media_type=CONTENT_TYPE_LATEST)
