@@ -214,6 +214,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()
 
     def _submit(self, fn: Callable[[], None], *streams: GroupStream) -> None:
         self._commands.put(_Command(fn, streams))

@@ -36,6 +36,10 @@ class BlockPool:
         """Blocks looked up in the prefix index (a metrics counter)."""
         self.hits = 0
         """Blocks found in the prefix index."""
+        self.evicted: list[tuple[BlockHash, int]] | None = None
+        """When a list (a KV tier wants demotions): (hash, block id) of cached blocks that
+        allocation took for new data since the owner last emptied it. Their KV is intact until
+        the next model step or block write."""
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +91,8 @@ class BlockPool:
             if b.hash is not None:
                 if self._index.get(b.hash) == bid:
                     del self._index[b.hash]
+                    if self.evicted is not None:
+                        self.evicted.append((b.hash, bid))
                 b.hash, b.token_ids = None, ()
             b.ref_cnt = 1
             out.append(bid)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+from tierserve.engine.kv_tiers.config import TierConfig
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,20 @@ class EngineConfig:
     """Torch intra-op threads; None uses the cores available to this process."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_tiers: TierConfig | None = None
+    """KV tiers below the device cache (cpu, disk, s3); None: the device cache alone."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers pass through."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"not a byte size: {value!r} (examples: 1073741824, 512MiB, 2GiB)")
+    unit = (m.group(2) or " ")[0].lower()
+    return int(float(m.group(1)) * _UNITS.get(unit, 1))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Sequence
 
-from tierserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tierserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import SamplingParams
@@ -15,16 +17,44 @@ _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 
 
+# The flat names of the tier settings (flags, YAML keys, LLM(...) keywords) -> TierConfig fields.
+TIER_ARGS = {"cpu_tier_bytes": "cpu_bytes", "disk_tier_dir": "disk_dir",
+             "disk_tier_bytes": "disk_bytes", "s3_bucket": "s3_bucket", "s3_prefix": "s3_prefix",
+             "s3_endpoint_url": "s3_endpoint_url", "s3_region": "s3_region"}
+
+
 def build_config(**kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., ...)."""
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_FIELDS}
-    valid = {f.name for f in dataclasses.fields(EngineConfig)}
+    tiers = _tier_config(kwargs.pop("kv_tiers", None),
+                         {TIER_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in TIER_ARGS})
+    valid = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_tiers"}
     unknown = set(kwargs) - valid
     if unknown:
         raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: "
-                        f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS)}")
-    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+                        f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS | set(TIER_ARGS))}")
+    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
+                        kv_tiers=tiers, **kwargs)
+
+
+def _tier_config(names: str | Sequence[str] | TierConfig | None, values: dict) -> TierConfig | None:
+    """kv_tiers "cpu,disk" (or a list, or a whole TierConfig) plus the tier settings given; None
+    keeps the tiers off."""
+    if isinstance(names, TierConfig):
+        return dataclasses.replace(names, **{k: v for k, v in values.items() if v is not None})
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    values = {k: v for k, v in values.items() if v is not None}
+    if not names:
+        return None
+    for key in ("cpu_bytes", "disk_bytes"):
+        if key in values:
+            values[key] = parse_bytes(values[key])
+    if "disk" in names and "disk_dir" not in values:
+        values["disk_dir"] = os.path.join(os.path.expanduser(
+            os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")), "kv")
+    return TierConfig(tiers=tuple(names), **values)
 
 
 class LLM:

@@ -15,12 +15,14 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.loaders import load_model_source
+from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
 from tierserve.engine.request import Request, RequestId, RequestStatus
 from tierserve.engine.sampler import TopLogprobs
 from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.scheduler import Scheduler
+from tierserve.engine.tier_io import TierIO
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
 
@@ -92,12 +94,26 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len)
         del src
+        self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
         self.stats = EngineStats()
         self._tracked: dict[RequestId, _Tracked] = {}
         log.info("engine ready: %s, %d layers, %d KV blocks of %d tokens (%.0f MiB), "
                  "max_model_len %d, backend %s, %d threads", config.model,
                  self.model_config.num_layers, num_blocks, bs, self.runner.kv_bytes / 2**20,
                  self.max_model_len, self.runner.backend.name, self.num_threads)
+
+    def _tiers(self, config: EngineConfig) -> TierIO:
+        manager = TierManager(config.kv_tiers, self.fingerprint, self.runner.block_shape,
+                              self.runner.kv_dtype)
+        io = TierIO(manager, self.runner, self.scheduler, self.pool)
+        self.scheduler.on_admit = io.on_admit
+        log.info("KV tiers: %s", ", ".join(manager.tiers))
+        return io
+
+    def close(self) -> None:
+        """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
+        if self.tier_io is not None:
+            self.tier_io.close()
 
     def _hash_extra(self, req: Request) -> bytes:
         return self.fingerprint + (req.cache_salt or "").encode()
@@ -143,6 +159,8 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._tracked.pop(req.request_id, None)
+            if self.tier_io is not None:
+                self.tier_io.cancel(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -150,9 +168,16 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        tiers = self.tier_io
+        if tiers is not None:
+            tiers.poll()
         out = self.scheduler.schedule()
         if out.empty:
+            if tiers is not None:  # only loads are in flight: wait for one instead of spinning
+                tiers.wait(0.02)
             return []
+        if tiers is not None:
+            tiers.demote_evicted()
         started = time.monotonic()
         result = self.runner.execute(out)
         self.scheduler.update(out, result.sampled)
@@ -178,6 +203,8 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             self._check_stop(tr)
             outputs.append(self._output(tr))
+        if tiers is not None:
+            tiers.store_full()
         return outputs
 
     def _check_stop(self, tr: _Tracked) -> None:

@@ -111,6 +111,35 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
+    # ---- whole KV blocks, for the tiers ----------------------------------------------------------
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's KV for every layer: [layers, 2 (K, V), kv heads, block size, head dim]."""
+        mc = self.model_cfg
+        return (mc.num_layers, 2, mc.num_kv_heads, self.block_size, mc.head_dim)
+
+    def _blocks_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """[2, H, slots, D] -> [2, H, num_blocks, block size, D] (no copy)."""
+        two, h, _, d = cache.shape
+        return cache.view(two, h, self.num_blocks, self.block_size, d)
+
+    @torch.inference_mode()
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of these blocks' KV, [n, layers, 2, H, block size, D], on the host: one
+        index_select per layer for all blocks together."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        per_layer = [self._blocks_view(c).index_select(2, idx) for c in self.kv_caches]
+        return torch.stack(per_layer).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write [n, layers, 2, H, block size, D] into these device blocks (between steps)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = blocks.to(device=self.device, dtype=self.kv_dtype).permute(1, 2, 3, 0, 4, 5)
+        for cache, layer in zip(self.kv_caches, data):
+            self._blocks_view(cache).index_copy_(2, idx, layer)
+
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -50,7 +50,11 @@ class Request:
     num_published_blocks: int = 0
     """Leading blocks already in the prefix index (or taken from it)."""
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at first admission."""
+    """Prompt tokens served from the prefix cache or a KV tier at first admission."""
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens loaded from each KV tier (by tier name)."""
+    tiers_checked: bool = False
+    """The KV tiers were asked for this admission (reset by a preemption: ask again)."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

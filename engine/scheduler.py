@@ -4,7 +4,12 @@ Every step each running request's computed-token count catches up with its token
 `max_num_batched_tokens`: a decode is a request one token behind, a prefill chunk is a request
 many tokens behind, and both share the step. Requests that run out of blocks preempt the
 lowest-ranked running request (its blocks are freed and it is recomputed later, mostly from the
-prefix cache).
+prefix cache or a KV tier).
+
+KV tiers plug in as one hook, `on_admit(request) -> bool`, asked once per admission after the
+device prefix match: True means the hook sent the request to LOADING (its blocks are read in the
+background). LOADING requests stay in the waiting queue but are passed over; `complete_load`
+brings one back with its loaded blocks published, and it is admitted like any other.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from tierserve.engine.block_hash import extend_hashes
+from tierserve.engine.block_hash import BlockHash, extend_hashes
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.config import SchedulerConfig
 from tierserve.engine.request import Request, RequestId, RequestStatus
@@ -45,11 +50,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: Callable[[Request], bytes]):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: Callable[[Request], bytes],
+                 on_admit: Callable[[Request], bool] | None = None):
         self.config = config
         self.pool = pool
         self.hash_extra = hash_extra
         """Extra bytes mixed into a request's block hashes (model fingerprint + cache salt)."""
+        self.on_admit = on_admit
+        """The KV tier lookup (see the module docstring); None without tiers."""
+        self.newly_full: list[tuple[BlockHash, int]] = []
+        """(hash, block id) of blocks that became full and computed in the last update, for the
+        tier store; the engine takes them after each step (a finished request's blocks keep their
+        KV until allocation reuses them in a later step)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -111,10 +123,17 @@ class Scheduler:
                                tuple(preempted))
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
+            if req is None:
+                break
             if not req.block_ids:
                 self._match_prefix(req)
+            if not req.tiers_checked:
+                req.tiers_checked = True
+                if self.on_admit is not None and self.on_admit(req):
+                    req.status = RequestStatus.LOADING
+                    continue
             n = self._chunk(req, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
@@ -126,10 +145,28 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Request | None:
+        ready = [r for r in self.waiting if r.status is not RequestStatus.LOADING]
+        if not ready:
+            return None
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return min(ready, key=lambda r: (r.priority, r.arrival_time))
+        return ready[0]
+
+    def complete_load(self, req: Request, block_ids: list[int]) -> None:
+        """Blocks whose KV was read from a tier and written to the device follow the request's
+        device prefix: publish them and count them computed. The request waits again."""
+        bs = self.pool.block_size
+        first = len(req.block_ids)
+        tokens = req.all_token_ids
+        for i, bid in enumerate(block_ids, start=first):
+            self.pool.publish(bid, req.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+        req.block_ids.extend(block_ids)
+        req.num_published_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * bs
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.WAITING
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -172,6 +209,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.PREEMPTED
+        req.tiers_checked = False  # its blocks may be in a tier by now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -181,6 +219,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
         """Advance computed counts, append sampled tokens, publish newly full blocks."""
         bs = self.pool.block_size
+        self.newly_full = []
         for s in output.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
@@ -196,4 +235,5 @@ class Scheduler:
                 for i in range(req.num_published_blocks, full):
                     self.pool.publish(req.block_ids[i], req.block_hashes[i],
                                       tokens[i * bs:(i + 1) * bs])
+                    self.newly_full.append((req.block_hashes[i], req.block_ids[i]))
                 req.num_published_blocks = full

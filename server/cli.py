@@ -15,7 +15,7 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import typing  # noqa: E402
 
-from tierserve.server.config import FIELDS, ServerConfig, load_config  # noqa: E402
+from tierserve.server.config import BYTE_FIELDS, FIELDS, ServerConfig, load_config  # noqa: E402
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        conv = str if name == "kv_cache_memory_bytes" else base
+        conv = str if name in BYTE_FIELDS else base
         p.add_argument(flag, type=conv, default=None, help=f"{doc} (default: {f.default})")
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tierserve.engine.config import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,22 @@ class ServerConfig:
     """On SIGTERM, how long in-flight requests may take to finish."""
     log_level: str = "info"
     """Uvicorn and tierserve log level."""
+    kv_tiers: str | None = None
+    """KV tiers below the device cache, in lookup order: a comma list of cpu, disk, s3."""
+    cpu_tier_bytes: int = 4 << 30
+    """Host memory of the cpu tier (accepts suffixes: 512MiB, 8GiB)."""
+    disk_tier_dir: str | None = None
+    """Folder of the disk tier (one subfolder per model fingerprint)."""
+    disk_tier_bytes: int = 64 << 30
+    """Bytes the disk tier may keep (accepts suffixes)."""
+    s3_bucket: str | None = None
+    """Bucket of the s3 tier (credentials from boto3's standard chain: AWS_* variables, ...)."""
+    s3_prefix: str = "tierserve-kv"
+    """First component of the s3 tier's object keys."""
+    s3_endpoint_url: str | None = None
+    """S3-compatible endpoint URL (SeaweedFS, MinIO, ...); unset: AWS."""
+    s3_region: str | None = None
+    """Region of the s3 tier's bucket."""
 
     @property
     def model_name(self) -> str:
@@ -73,26 +90,14 @@ class ServerConfig:
         keys = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "dtype",
                 "kv_cache_dtype", "kv_cache_scale", "attention_backend", "backend_profile",
-                "num_threads", "seed")
+                "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
+                "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region")
         return {k: getattr(self, k) for k in keys}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(value: str | int) -> int:
-    """'512MiB' -> 536870912; plain integers pass through."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ValueError(f"not a byte size: {value!r} (examples: 1073741824, 512MiB, 2GiB)")
-    unit = (m.group(2) or " ")[0].lower()
-    return int(float(m.group(1)) * _UNITS.get(unit, 1))
-
-
+BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes")
+"""Settings that accept size suffixes (512MiB, 2GiB)."""
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerConfig:
     """YAML values, then overrides (None values in overrides are ignored). `path` is a file or the
     name of a preset shipped in tierserve.configs ("default")."""
@@ -108,6 +113,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerCon
     unknown = set(values) - set(FIELDS)
     if unknown:
         raise ValueError(f"unknown settings {sorted(unknown)}; valid: {sorted(FIELDS)}")
-    if "kv_cache_memory_bytes" in values:
-        values["kv_cache_memory_bytes"] = parse_bytes(values["kv_cache_memory_bytes"])
+    for key in BYTE_FIELDS:
+        if key in values:
+            values[key] = parse_bytes(values[key])
     return ServerConfig(**values)

@@ -49,3 +49,21 @@ def hf_model(gguf_path):
 
     d, f = os.path.split(gguf_path)
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    """One real S3-compatible server (SeaweedFS `weed mini` on loopback) per test session."""
+    from s3_fixtures import weed_server
+
+    with weed_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_creds(monkeypatch):
+    """The test server's key pair, given to boto3 the standard way (environment variables)."""
+    from s3_fixtures import CREDENTIALS
+
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)

@@ -1,0 +1,188 @@
+"""KVTier: the interface every KV tier implements, and the bookkeeping they all share.
+
+Two phases, called from the manager's threads (never from the step loop itself):
+  contains_prefix(keys) -> int      how many leading keys the tier holds; reads no payload
+  load(keys) -> [tensor]            verified payloads, each [layers, 2, kv_heads, block_size, dim]
+  store(keys, blocks) -> int        write blocks the tier lacks; never raises for I/O trouble
+
+All public methods are thread-safe: each tier guards its index with its own lock and does slow
+I/O outside it. Recency: load() and store() end by touching their keys last-to-first, so within
+one sequence the prefix is the most recently used block and a suffix is evicted before its prefix
+(a suffix without its prefix can never be a hit). A subclass implements the _underscored hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.kv_tiers.errors import CorruptPayload, TierError, TierUnavailable
+from tierserve.engine.kv_tiers.media import Locality, Medium
+from tierserve.engine.kv_tiers.stats import TierCounters, TierStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.engine.kv_tiers.config import TierConfig
+    from tierserve.engine.kv_tiers.layout import BlockLayout
+
+
+class KVTier(ABC):
+    name: ClassVar[str]
+    medium: ClassVar[Medium]
+    locality: ClassVar[Locality]
+
+    def __init__(self, config: TierConfig, layout: BlockLayout):
+        self.config = config
+        self.layout = layout
+        self.counters = TierCounters()
+        self.delay_s = 0.0
+        """Test hook: each block's read and write sleeps this long first, inside the timed
+        part, so a slow tier looks slow in the stats too."""
+
+    # ---- the interface -------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many of the leading keys the tier holds (stops at the first miss)."""
+        n = 0
+        for key in keys:
+            if not self._has(key):
+                break
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[BlockHash]) -> list[torch.Tensor]:
+        """Payloads of all keys, verified. Raises TierError (a miss, corruption, I/O); a corrupt
+        payload is removed before the error is raised. Callers must not write to the tensors."""
+        out = []
+        for key in keys:
+            out.append(self._load_one(key))
+        self.touch(keys)
+        return out
+
+    def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> int:
+        """Write the blocks whose keys the tier lacks, in order; returns how many were written.
+        A failure is counted by kind and ends the call (the blocks before it stay)."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        for b in blocks:
+            self._check_block(b)
+        if not self._allow_store():
+            self.counters.error(TierUnavailable.kind)
+            return 0
+        written, done = 0, 0
+        for key, block in zip(keys, blocks):
+            try:
+                written += self._store_one(key, block)
+            except TierError as e:
+                self.counters.error(e.kind)
+                self._store_failed(e)
+                break
+            done += 1
+        else:
+            self._store_succeeded()
+        self.touch(keys[:done])
+        return written
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """Mark keys used, the first key last, so it is the most recently used."""
+        for key in reversed(keys):
+            self._touch(key)
+
+    def remove(self, key: BlockHash) -> bool:
+        """Drop one block; True if it was there."""
+        return self._delete(key)
+
+    @abstractmethod
+    def keys(self) -> list[BlockHash]:
+        """Keys held, in eviction order where the tier has one (next victim first)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int | None: ...
+
+    @property
+    def breaker_state(self) -> str | None:
+        return None
+
+    def stats(self) -> TierStats:
+        st = self.counters.snapshot(
+            name=self.name, medium=self.medium.value, locality=self.locality.value,
+            used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
+            breaker_state=self.breaker_state)
+        return replace(st, hit_tokens=st.hit_blocks * self.layout.block_size)
+
+    def close(self) -> None:
+        """Release threads and connections; the tier's stored data stays."""
+
+    # ---- shared steps --------------------------------------------------------------------
+    def _load_one(self, key: BlockHash) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self._pause()
+        try:
+            if not self._allow_load():
+                raise TierUnavailable(f"{self.name} tier is not accepting requests")
+            block = self._read(key)
+        except TierError as e:
+            self.counters.error(e.kind)
+            if isinstance(e, CorruptPayload):
+                self._delete(key)
+            raise
+        self.counters.add(loaded_blocks=1, bytes_loaded=self.layout.block_bytes,
+                          load_seconds=time.perf_counter() - t0)
+        return block
+
+    def _store_one(self, key: BlockHash, block: torch.Tensor) -> int:
+        t0 = time.perf_counter()
+        self._pause()
+        nbytes = self._write(key, block)
+        if nbytes:
+            self.counters.add(stored_blocks=1, bytes_stored=nbytes,
+                              store_seconds=time.perf_counter() - t0)
+        return 1 if nbytes else 0
+
+    def _check_block(self, block: torch.Tensor) -> None:
+        lay = self.layout
+        if tuple(block.shape) != lay.block_shape or block.dtype != lay.dtype:
+            raise ValueError(f"{self.name} tier: block is {block.dtype} {tuple(block.shape)}, "
+                             f"expected {lay.dtype} {lay.block_shape}")
+
+    def _pause(self) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+
+    # ---- hooks ---------------------------------------------------------------------------
+    @abstractmethod
+    def _has(self, key: BlockHash) -> bool: ...
+
+    @abstractmethod
+    def _read(self, key: BlockHash) -> torch.Tensor:
+        """The verified payload, [layers, 2, kv_heads, block_size, dim]; raises TierError."""
+
+    @abstractmethod
+    def _write(self, key: BlockHash, block: torch.Tensor) -> int:
+        """Store one block; payload bytes written, 0 if the key was already there."""
+
+    @abstractmethod
+    def _delete(self, key: BlockHash) -> bool: ...
+
+    def _touch(self, key: BlockHash) -> None:
+        """Mark one key most recently used (tiers without an eviction order ignore it)."""
+
+    def _allow_load(self) -> bool:
+        return True
+
+    def _allow_store(self) -> bool:
+        return True
+
+    def _store_failed(self, error: TierError) -> None:
+        """A write failed with `error` (already counted)."""
+
+    def _store_succeeded(self) -> None:
+        """Every write of one store() call went through."""

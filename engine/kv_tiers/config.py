@@ -1,0 +1,68 @@
+"""TierConfig: which KV tiers exist, in lookup order, and their limits. No I/O, no torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierserve.engine.kv_tiers.registry import TIERS
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Settings of every tier; a tier reads only its own fields."""
+
+    tiers: tuple[str, ...] = ("cpu",)
+    """Tier names in lookup order (after the device cache), from: cpu, disk, s3."""
+    cpu_bytes: int = 1 << 30
+    """Host memory the cpu tier may hold, in payload bytes."""
+    disk_dir: str | None = None
+    """Folder of the disk tier; each model gets its own subfolder named by its fingerprint."""
+    disk_bytes: int = 16 << 30
+    """Payload bytes the disk tier may keep under disk_dir (per model)."""
+    disk_error_backoff_s: float = 30.0
+    """After a failed disk write (full, read-only), stores pause this long; loads go on."""
+    s3_bucket: str | None = None
+    """Bucket of the s3 tier."""
+    s3_prefix: str = "tierserve-kv"
+    """First component of every object key: <prefix>/<model fingerprint hex>/<block key hex>."""
+    s3_endpoint_url: str | None = None
+    """S3-compatible endpoint (None: AWS). Credentials come from boto3's standard chain."""
+    s3_region: str | None = None
+    """Region name passed to boto3 (None: boto3's default chain)."""
+    s3_connect_timeout_s: float = 2.0
+    """TCP connect timeout of one attempt."""
+    s3_read_timeout_s: float = 5.0
+    """Socket read timeout of one attempt."""
+    s3_max_attempts: int = 2
+    """Attempts per request, the first included (botocore's total_max_attempts)."""
+    s3_probe_batch: int = 8
+    """HEAD requests in flight at once while finding how many leading keys the bucket holds."""
+    s3_create_bucket: bool = True
+    """Create the bucket before the first write if it is missing."""
+    breaker_threshold: int = 3
+    """Consecutive failed requests that open the s3 circuit breaker."""
+    breaker_backoff_s: float = 5.0
+    """First wait before an open breaker lets one probe through; doubles on each failed probe."""
+    breaker_max_backoff_s: float = 60.0
+    """Cap of the breaker's back-off."""
+    store_queue_depth: int = 64
+    """Pending store jobs per tier; a store beyond it is dropped and counted, never waited for."""
+    store_workers: int = 1
+    """Writer threads per tier."""
+    load_workers: int = 4
+    """Threads that read payloads for start_load, shared by all tiers."""
+
+    def __post_init__(self) -> None:
+        for name in self.tiers:
+            if name not in TIERS:
+                raise ValueError(f"tiers: unknown tier {name!r} (valid: {', '.join(TIERS)})")
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ValueError(f"tiers: each tier may appear once, got {self.tiers}")
+        if "disk" in self.tiers and not self.disk_dir:
+            raise ValueError("disk_dir: required when the disk tier is enabled")
+        if "s3" in self.tiers and not self.s3_bucket:
+            raise ValueError("s3_bucket: required when the s3 tier is enabled")
+        for field in ("cpu_bytes", "disk_bytes", "store_queue_depth", "store_workers",
+                      "load_workers", "s3_max_attempts", "s3_probe_batch", "breaker_threshold"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}: must be at least 1, got {getattr(self, field)}")

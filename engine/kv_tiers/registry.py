@@ -1,0 +1,28 @@
+"""KV tiers by name, imported lazily: naming a tier in a config must not import boto3 or torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierserve.engine.kv_tiers.base import KVTier
+    from tierserve.engine.kv_tiers.config import TierConfig
+    from tierserve.engine.kv_tiers.layout import BlockLayout
+
+TIERS: dict[str, str] = {
+    "cpu": "tierserve.engine.kv_tiers.cpu:CpuTier",
+    "disk": "tierserve.engine.kv_tiers.disk:DiskTier",
+    "s3": "tierserve.engine.kv_tiers.s3:S3Tier",
+}
+
+
+def tier_class(name: str) -> type[KVTier]:
+    if name not in TIERS:
+        raise ValueError(f"unknown KV tier {name!r} (valid: {', '.join(TIERS)})")
+    module, cls = TIERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_tier(name: str, config: TierConfig, layout: BlockLayout) -> KVTier:
+    return tier_class(name)(config, layout)
