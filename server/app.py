@@ -84,7 +84,9 @@ def _too_large(limit: int):
 
 
 def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
-    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name)
+    tiers = engine.engine.tier_io
+    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name,
+                            tiers.manager.stats if tiers is not None else None)
     ctx = ServerContext(config, engine, metrics, int(time.time()))
 
     @asynccontextmanager

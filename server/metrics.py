@@ -15,6 +15,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
 from tierserve.engine.async_engine import EngineSnapshot
+from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
 from tierserve.engine.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,11 +70,79 @@ def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMet
     return c
 
 
+class _TierCollector:
+    """Per-tier metrics, labelled by tier, from the tier manager's thread-safe stats."""
+
+    COUNTERS = (("lookups", "Lookups that asked the tier."),
+                ("hit_blocks", "Blocks a lookup found in the tier."),
+                ("hit_tokens", "Tokens of those blocks."),
+                ("loaded_blocks", "Blocks read from the tier and verified."),
+                ("bytes_loaded", "Payload bytes read from the tier."),
+                ("stored_blocks", "Blocks written to the tier."),
+                ("bytes_stored", "Payload bytes written to the tier."),
+                ("evictions", "Blocks the tier removed to make room."),
+                ("dropped_writes", "Writes dropped because the tier's queue was full."))
+
+    def __init__(self, stats: Callable[[], dict], model: str):
+        self.stats, self.model = stats, model
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.stats()
+        if not stats:
+            return
+        labels = ["model_name", "tier"]
+        for field, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"tierserve:kv_tier_{field}", doc, labels=labels)
+            for name, s in stats.items():
+                c.add_metric([self.model, name], getattr(s, field))
+            yield c
+        yield from self._gauges(stats, labels)
+        yield from self._errors_and_breaker(stats)
+        for op in ("load", "store"):
+            h = HistogramMetricFamily(f"tierserve:kv_tier_{op}_latency_seconds",
+                                      f"Per-block {op} latency.", labels=labels)
+            for name, s in stats.items():
+                counts = getattr(s, f"{op}_latency")
+                cumulative = list(itertools.accumulate(counts))
+                buckets = [(str(b), c) for b, c in zip(LATENCY_BUCKETS, cumulative)]
+                h.add_metric([self.model, name], buckets + [("+Inf", cumulative[-1])],
+                             getattr(s, f"{op}_seconds"))
+            yield h
+
+    def _gauges(self, stats: dict, labels: list[str]) -> Iterable[Metric]:
+        for field, doc in (("used_bytes", "Payload bytes the tier holds."),
+                           ("capacity_bytes", "The tier's byte budget."),
+                           ("queued_writes", "Writes waiting in the tier's queue.")):
+            g = GaugeMetricFamily(f"tierserve:kv_tier_{field}", doc, labels=labels)
+            for name, s in stats.items():
+                value = getattr(s, field)
+                if value is not None:
+                    g.add_metric([self.model, name], value)
+            yield g
+
+    def _errors_and_breaker(self, stats: dict) -> Iterable[Metric]:
+        e = CounterMetricFamily("tierserve:kv_tier_errors", "Tier failures by kind.",
+                                labels=["model_name", "tier", "kind"])
+        b = GaugeMetricFamily("tierserve:kv_tier_breaker_state", "1 for the breaker's state.",
+                              labels=["model_name", "tier", "state"])
+        for name, s in stats.items():
+            for kind, n in s.errors.items():
+                e.add_metric([self.model, name, kind], n)
+            if s.breaker_state is not None:
+                for state in ("closed", "open", "half_open"):
+                    b.add_metric([self.model, name, state], float(s.breaker_state == state))
+        yield e
+        yield b
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str,
+                 tier_stats: Callable[[], dict] | None = None):
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(snapshot, model))
+        if tier_stats is not None:
+            self.registry.register(_TierCollector(tier_stats, model))
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, **kw).labels(model)

@@ -190,3 +190,27 @@ def _prompt_block_files(llm: LLM, prompt: list[int], by_key: dict) -> list:
     hashes: list = []
     extend_hashes(hashes, prompt, 16, llm.engine.fingerprint)
     return [by_key[h.hex()] for h in hashes if h.hex() in by_key]
+
+
+def test_blocks_the_device_evicts_are_demoted_to_cpu(corpus_ids):
+    """A prompt's cached blocks, missing from the cpu tier, land there when the device pool
+    takes them for another prompt."""
+    llm = LLM(kv_cache_memory_bytes=64 << 20, max_model_len=1400,
+              kv_tiers=TierConfig(tiers=("cpu",), cpu_bytes=256 << 20))
+    eng = llm.engine
+    try:
+        a, b = corpus_ids[:500], corpus_ids[1000:2200]
+        llm.generate([a], GREEDY)
+        assert eng.tier_io.manager.flush(30)
+        cpu = eng.tier_io.manager.tiers["cpu"]
+        for key in cpu.keys():
+            cpu.remove(key)
+        a_keys = {b.hash for b in eng.pool.blocks if b.hash is not None}
+        assert len(a_keys) == 500 // 16 and eng.pool.num_blocks < 500 // 16 + 1200 // 16
+        llm.generate([b], GREEDY)  # needs more blocks than are free: A's cached ones go
+        assert eng.tier_io.manager.flush(30)
+        evicted = a_keys - {b.hash for b in eng.pool.blocks if b.hash is not None}
+        held = set(cpu.keys())
+    finally:
+        eng.close()
+    assert evicted and evicted <= held

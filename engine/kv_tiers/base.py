@@ -134,8 +134,9 @@ class KVTier(ABC):
             if isinstance(e, CorruptPayload):
                 self._delete(key)
             raise
-        self.counters.add(loaded_blocks=1, bytes_loaded=self.layout.block_bytes,
-                          load_seconds=time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.counters.add(loaded_blocks=1, bytes_loaded=self.layout.block_bytes, load_seconds=dt)
+        self.counters.observe("load", dt)
         return block
 
     def _store_one(self, key: BlockHash, block: torch.Tensor) -> int:
@@ -143,8 +144,9 @@ class KVTier(ABC):
         self._pause()
         nbytes = self._write(key, block)
         if nbytes:
-            self.counters.add(stored_blocks=1, bytes_stored=nbytes,
-                              store_seconds=time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.counters.add(stored_blocks=1, bytes_stored=nbytes, store_seconds=dt)
+            self.counters.observe("store", dt)
         return 1 if nbytes else 0
 
     def _check_block(self, block: torch.Tensor) -> None:

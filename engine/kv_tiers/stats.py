@@ -6,6 +6,7 @@ snapshot takes the counters' own lock, so a snapshot is consistent and cheap (a 
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field, fields
 
@@ -52,6 +53,15 @@ class TierStats:
     """Failures by kind: miss, corrupt, timeout, connect, no_space, read_only, unavailable..."""
     breaker_state: str | None = None
     """closed, open or half_open for tiers with a circuit breaker."""
+    load_latency: tuple[int, ...] = ()
+    """Block reads per LATENCY_BUCKETS bucket (the last: slower than every bound)."""
+    store_latency: tuple[int, ...] = ()
+    """Block writes per LATENCY_BUCKETS bucket."""
+
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+"""Upper bounds (seconds) of the per-block load and store latency histograms."""
 
 
 COUNTED = ("lookups", "hit_blocks", "loaded_blocks", "bytes_loaded", "load_seconds",
@@ -65,11 +75,18 @@ class TierCounters:
         self._lock = threading.Lock()
         self._sums: dict[str, float] = {name: 0 for name in COUNTED}
         self._errors: dict[str, int] = {}
+        self._latency = {"load": [0] * (len(LATENCY_BUCKETS) + 1),
+                         "store": [0] * (len(LATENCY_BUCKETS) + 1)}
 
     def add(self, **deltas: float) -> None:
         with self._lock:
             for name, d in deltas.items():
                 self._sums[name] += d
+
+    def observe(self, op: str, seconds: float) -> None:
+        """One block's load or store latency into its histogram."""
+        with self._lock:
+            self._latency[op][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def error(self, kind: str, n: int = 1) -> None:
         with self._lock:
@@ -83,5 +100,7 @@ class TierCounters:
         """TierStats of these sums plus `extra` (name, medium, used_bytes...)."""
         with self._lock:
             sums, errors = dict(self._sums), dict(self._errors)
+            latency = {f"{op}_latency": tuple(c) for op, c in self._latency.items()}
         known = {f.name for f in fields(TierStats)}
-        return TierStats(**{k: v for k, v in sums.items() if k in known}, errors=errors, **extra)
+        return TierStats(**{k: v for k, v in sums.items() if k in known}, errors=errors,
+                         **latency, **extra)
