@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
@@ -45,6 +46,7 @@ class ChildRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    kv_hints: KVHints | None = None
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,7 @@ class AsyncEngine:
             for c in stream.children:
                 self.engine.add_request(c.request_id, c.prompt_token_ids, c.params,
                                         priority=c.priority, cache_salt=c.cache_salt,
-                                        arrival_time=now)
+                                        arrival_time=now, kv_hints=c.kv_hints)
         except ParamError as e:  # checked before admission; only a changed engine gets here
             self._fail_stream(stream, e)
             return

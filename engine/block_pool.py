@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from tierserve.engine.block_hash import BlockHash
 
@@ -25,6 +25,15 @@ class Block:
     """Tokens whose KV the block holds, kept to verify a hash hit."""
 
 
+class EvictedBlock(NamedTuple):
+    """A cached block that allocation took for new data (its KV is still intact)."""
+
+    hash: BlockHash
+    block_id: int
+    token_ids: tuple[int, ...]
+    """The tokens it held (allocation clears the block's own copy)."""
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -36,10 +45,10 @@ class BlockPool:
         """Blocks looked up in the prefix index (a metrics counter)."""
         self.hits = 0
         """Blocks found in the prefix index."""
-        self.evicted: list[tuple[BlockHash, int]] | None = None
-        """When a list (a KV tier wants demotions): (hash, block id) of cached blocks that
-        allocation took for new data since the owner last emptied it. Their KV is intact until
-        the next model step or block write."""
+        self.evicted: list[EvictedBlock] | None = None
+        """When a list (a KV tier wants demotions): the cached blocks that allocation took for
+        new data since the owner last emptied it. Their KV is intact until the next model step
+        or block write."""
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +101,7 @@ class BlockPool:
                 if self._index.get(b.hash) == bid:
                     del self._index[b.hash]
                     if self.evicted is not None:
-                        self.evicted.append((b.hash, bid))
+                        self.evicted.append(EvictedBlock(b.hash, bid, b.token_ids))
                 b.hash, b.token_ids = None, ()
             b.ref_cnt = 1
             out.append(bid)

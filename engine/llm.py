@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from tierserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
@@ -52,8 +53,10 @@ def _tier_config(names: str | Sequence[str] | TierConfig | None, values: dict) -
         if key in values:
             values[key] = parse_bytes(values[key])
     if "disk" in names and "disk_dir" not in values:
-        values["disk_dir"] = os.path.join(os.path.expanduser(
-            os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")), "kv")
+        values["disk_dir"] = os.path.join(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve"),
+                                          "kv")
+    if "disk_dir" in values:
+        values["disk_dir"] = os.path.expanduser(values["disk_dir"])
     return TierConfig(tiers=tuple(names), **values)
 
 
@@ -67,8 +70,10 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; n > 1 gives n outputs per prompt."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 kv_hints: KVHints | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; n > 1 gives n outputs per prompt.
+        kv_hints steer the KV tiers for every prompt (tierserve.engine.kv_hints.KVHints)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -81,7 +86,8 @@ class LLM:
             for j in range(p.n):
                 child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 cid = f"{base}-{j}"
-                self.engine.add_request(cid, prompt, child, priority=priority[i] if priority else 0)
+                self.engine.add_request(cid, prompt, child, priority=priority[i] if priority else 0,
+                                        kv_hints=kv_hints)
                 children.append(cid)
             groups.append((base, children))
         done = self._run(use_tqdm)

@@ -15,6 +15,7 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.loaders import load_model_source
+from tierserve.engine.kv_hints import NO_HINTS, KVHints
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
@@ -88,13 +89,17 @@ class LLMEngine:
             1, config.cache.kv_cache_memory_bytes // (bs * src.config.kv_bytes_per_token(kv_elem)))
         self.max_model_len = min(config.scheduler.max_model_len,
                                  src.config.max_position_embeddings, num_blocks * bs)
-        self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype, bs,
-                                       src.config.num_layers)
+        # Everything that changes a block's KV bytes: the model file, dtypes, the fp8 scale, the
+        # block size and the layer count. The tiers share blocks across processes by this key.
+        self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype,
+                                       config.kv_cache_scale, bs, src.config.num_layers)
         self.pool = BlockPool(num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len)
         del src
         self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
+        self.default_hints = NO_HINTS
+        """Hints for requests that send none (the server's YAML defaults)."""
         self.stats = EngineStats()
         self._tracked: dict[RequestId, _Tracked] = {}
         log.info("engine ready: %s, %d layers, %d KV blocks of %d tokens (%.0f MiB), "
@@ -122,14 +127,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, kv_hints: KVHints | None = None) -> None:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids, params)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(RequestId(request_id), ids, params, max_tokens, priority=priority,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, hints=kv_hints or self.default_hints)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
@@ -185,6 +190,8 @@ class LLMEngine:
         self.stats.computed_tokens += out.num_batched_tokens
         self.stats.iteration_tokens.observe(out.num_batched_tokens)
         now = time.monotonic()
+        if tiers is not None:
+            tiers.observe_step(out.num_batched_tokens, now - started)
         outputs = []
         for s in out.scheduled:
             rid = s.request.request_id
@@ -236,5 +243,11 @@ class LLMEngine:
         comp = CompletionOutput(0, tr.detok.visible(done), list(req.output_token_ids),
                                 list(tr.logprobs) if tr.logprobs is not None else None,
                                 req.status.value if done else None, req.stop_reason)
+        hits = None
+        if self.tier_io is not None and req.tier_decision is not None:
+            hits = {"device": req.num_cached_tokens - sum(req.tier_hit_tokens.values())}
+            hits.update({name: req.tier_hit_tokens.get(name, 0)
+                         for name in self.tier_io.manager.tiers})
         return RequestOutput(req.request_id, tr.prompt, req.prompt_token_ids, [comp], done,
-                             tr.prompt_logprobs, req.num_cached_tokens, dict(tr.metrics))
+                             tr.prompt_logprobs, req.num_cached_tokens, dict(tr.metrics),
+                             req.tier_decision, hits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierserve.engine.sampler import TopLogprobs
+from tierserve.engine.tier_policy import TierDecision
 
 
 @dataclass
@@ -33,3 +34,7 @@ class RequestOutput:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_decision: TierDecision | None = None
+    """What the tier policy chose (X-KV-Policy is its header()); None without tiers."""
+    kv_hit_tokens: dict[str, int] | None = None
+    """Prompt tokens served per cache: device, then each tier (the X-KV-Hit-Tokens header)."""

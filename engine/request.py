@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.kv_hints import NO_HINTS, KVHints
+from tierserve.engine.tier_policy import TierDecision
 from tierserve.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -53,6 +55,12 @@ class Request:
     """Prompt tokens served from the prefix cache or a KV tier at first admission."""
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     """Prompt tokens loaded from each KV tier (by tier name)."""
+    hints: KVHints = NO_HINTS
+    """What the request asked of the KV tiers (explicit tiers, budgets, SLO)."""
+    tier_decision: TierDecision | None = None
+    """The tier policy's latest decision for this request (None without tiers)."""
+    num_stored_blocks: int = 0
+    """Blocks of this request handed to the tier store (for max_offload_tokens)."""
     tiers_checked: bool = False
     """The KV tiers were asked for this admission (reset by a preemption: ask again)."""
     num_preemptions: int = 0

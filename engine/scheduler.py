@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 from tierserve.engine.block_hash import BlockHash, extend_hashes
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.config import SchedulerConfig
+from tierserve.engine.kv_hints import SloClass
 from tierserve.engine.request import Request, RequestId, RequestStatus
 
 
@@ -37,6 +38,22 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class FullBlock:
+    """A block that became full and computed in the last update, for the tier store."""
+
+    hash: BlockHash
+    """Its chained hash: the key in the prefix index and in every tier."""
+    block_id: int
+    """Its device block, whose KV the store gathers."""
+    parent_hash: BlockHash | None
+    """Hash of the block before it in the request; None for the request's first block."""
+    token_ids: tuple[int, ...]
+    """The block's tokens (block_size of them)."""
+    request: Request
+    """The request that filled it (per-request store filters read it)."""
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What one step runs. Decodes come first, in running order, then prefill chunks."""
 
@@ -49,6 +66,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+_CLASS_RANK = {SloClass.INTERACTIVE: 0, None: 1, SloClass.BATCH: 2}
+
+
+def _class_rank(req: Request) -> int:
+    """interactive requests are admitted before class-less ones, and those before batch."""
+    return _CLASS_RANK[req.hints.slo_class]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: Callable[[Request], bytes],
                  on_admit: Callable[[Request], bool] | None = None):
@@ -58,10 +83,10 @@ class Scheduler:
         """Extra bytes mixed into a request's block hashes (model fingerprint + cache salt)."""
         self.on_admit = on_admit
         """The KV tier lookup (see the module docstring); None without tiers."""
-        self.newly_full: list[tuple[BlockHash, int]] = []
-        """(hash, block id) of blocks that became full and computed in the last update, for the
-        tier store; the engine takes them after each step (a finished request's blocks keep their
-        KV until allocation reuses them in a later step)."""
+        self.newly_full: list[FullBlock] = []
+        """Blocks that became full and computed in the last update, for the tier store; the
+        engine takes them after each step (a finished request's blocks keep their KV until
+        allocation reuses them in a later step)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -149,9 +174,9 @@ class Scheduler:
         ready = [r for r in self.waiting if r.status is not RequestStatus.LOADING]
         if not ready:
             return None
-        if self.config.policy == "priority":
-            return min(ready, key=lambda r: (r.priority, r.arrival_time))
-        return ready[0]
+        if self.config.policy == "priority":  # the request's priority wins over its SLO class
+            return min(ready, key=lambda r: (r.priority, _class_rank(r), r.arrival_time))
+        return min(ready, key=lambda r: (_class_rank(r), r.arrival_time))
 
     def complete_load(self, req: Request, block_ids: list[int]) -> None:
         """Blocks whose KV was read from a tier and written to the device follow the request's
@@ -233,7 +258,9 @@ class Scheduler:
                 tokens = req.all_token_ids
                 extend_hashes(req.block_hashes, tokens, bs, self.hash_extra(req))
                 for i in range(req.num_published_blocks, full):
-                    self.pool.publish(req.block_ids[i], req.block_hashes[i],
-                                      tokens[i * bs:(i + 1) * bs])
-                    self.newly_full.append((req.block_hashes[i], req.block_ids[i]))
+                    block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+                    self.pool.publish(req.block_ids[i], req.block_hashes[i], block_tokens)
+                    self.newly_full.append(FullBlock(
+                        req.block_hashes[i], req.block_ids[i],
+                        req.block_hashes[i - 1] if i > 0 else None, block_tokens, req))
                 req.num_published_blocks = full

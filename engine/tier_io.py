@@ -11,6 +11,11 @@ device cache and the tiers between steps.
                                                               store_full(): newly full blocks
                                                                 -> one gather -> store queues
 
+Each admission asks the TierPolicy (engine/tier_policy.py) which tiers the request may load
+from and store to, from its KVHints and the cost model this class feeds: lookup latency and
+load bandwidth per tier from real loads (seeded by a probe at start-up), prefill throughput from
+real steps. A load past the request's deadline (arrival + TTFT budget) is abandoned.
+
 The step never waits on a tier: a lookup (S3 HEADs) and the payload reads run on the fetch
 thread; a fetch that fails, is corrupt or runs past `load_timeout_s` gives a shorter run (maybe
 none) and the rest of the prompt is recomputed. Loaded KV is the KV a cold run computes (the
@@ -28,8 +33,10 @@ import torch
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.kv_tiers.manager import TierManager
+from tierserve.engine.kv_tiers.media import Locality
 from tierserve.engine.request import Request, RequestId
-from tierserve.engine.scheduler import Scheduler
+from tierserve.engine.scheduler import FullBlock, Scheduler
+from tierserve.engine.tier_policy import CostModel, TierDecision, TierInfo, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,22 @@ class _Fetch:
     started: float
 
 
+@dataclass
+class PolicyCounters:
+    """Per-request decisions of the tier policy (plain ints, exported as metrics)."""
+
+    loads_chosen: int = 0
+    """Admissions that planned a load from at least one tier."""
+    skipped_budget: int = 0
+    """Tiers not looked up: the load would not fit the TTFT budget."""
+    skipped_cost: int = 0
+    """Tiers not looked up: recomputing is faster than loading."""
+    skipped_short: int = 0
+    """Remote tiers not looked up for a short prompt."""
+    abandoned: int = 0
+    """Loads that ran past their deadline; the rest of the prompt was recomputed."""
+
+
 class TierIO:
     def __init__(self, manager: TierManager, runner, scheduler: Scheduler, pool: BlockPool,
                  load_timeout_s: float = 30.0):
@@ -49,36 +72,89 @@ class TierIO:
         self.block_size = pool.block_size
         self.load_timeout_s = load_timeout_s
         self._fetches: dict[RequestId, _Fetch] = {}
-        self._thread = cf.ThreadPoolExecutor(2, thread_name_prefix="kv-fetch")
+        self._thread = cf.ThreadPoolExecutor(4, thread_name_prefix="kv-fetch")
         self._demote = "cpu" in manager.tiers
         if self._demote:
             pool.evicted = []
+        self._no_demote: set[BlockHash] = set()
+        """Device blocks whose request did not allow the cpu tier: never demoted there."""
+        self.cost = CostModel(manager.layout.block_bytes, self.block_size)
+        self.policy = TierPolicy([TierInfo(n, t.locality is Locality.LOCAL)
+                                  for n, t in manager.tiers.items()], self.cost, self.block_size)
+        self.counters = PolicyCounters()
+        self._thread.submit(self._probe)
 
     # ---- admission --------------------------------------------------------------------------
 
     def on_admit(self, req: Request) -> bool:
-        """Scheduler hook: look the blocks past the device prefix up in the tiers. True sends the
-        request to LOADING; the last prompt token is always computed, so its block is never
-        asked for."""
+        """Scheduler hook: decide the request's tiers, then look the blocks past the device
+        prefix up in the tiers it may load from. True sends the request to LOADING; the last
+        prompt token is always computed, so its block is never asked for."""
         first = len(req.block_ids)
         keys = req.block_hashes[first:(req.num_tokens - 1) // self.block_size]
-        if not keys:
+        d = self.policy.decide(req.hints, len(keys), req.arrival_time)
+        req.tier_decision = d
+        self._count(d)
+        if not keys or not d.load_tiers:
             return False
-        fut = self._thread.submit(self._fetch, list(keys))
+        fut = self._thread.submit(self._fetch, list(keys), d)
         self._fetches[req.request_id] = _Fetch(req, fut, time.monotonic())
         return True
 
-    def _fetch(self, keys: list[BlockHash]) -> tuple[list[str], list[torch.Tensor]]:
-        hit = self.manager.lookup(keys)
+    def _count(self, d: TierDecision) -> None:
+        c = self.counters
+        c.loads_chosen += bool(d.load_tiers)
+        for why in d.skipped.values():
+            if why == "budget":
+                c.skipped_budget += 1
+            elif why == "cost":
+                c.skipped_cost += 1
+            elif why == "short prompt":
+                c.skipped_short += 1
+
+    def _fetch(self, keys: list[BlockHash], d: TierDecision) -> tuple[list[str], list[torch.Tensor]]:
+        t0 = time.monotonic()
+        hit = self.manager.lookup(keys, d.load_tiers, d.max_load_blocks)
+        for name in d.load_tiers:  # the lookup asked each of them, in order
+            self.cost.observe_lookup(name, time.monotonic() - t0)
         if not hit.num_blocks:
             return [], []
         handle = self.manager.start_load(hit)
-        blocks = handle.result(timeout=self.load_timeout_s)
+        limit = self.load_timeout_s
+        if d.deadline is not None:
+            limit = min(limit, max(0.0, d.deadline - time.monotonic()))
+        blocks = handle.result(timeout=limit)
         if not handle.done():
             handle.cancel()
-            log.warning("KV load of %d blocks ran past %.1f s; recomputing the rest",
-                        hit.num_blocks, self.load_timeout_s)
+            self.counters.abandoned += 1
+            log.info("KV load of %d blocks ran past its deadline (%.2f s); recomputing the rest",
+                     hit.num_blocks, limit)
+        self._observe_load(hit.sources[:len(blocks)], blocks, time.monotonic() - t0)
         return list(hit.sources[:len(blocks)]), blocks
+
+    def _observe_load(self, sources, blocks: list[torch.Tensor], seconds: float) -> None:
+        """Bandwidth per source tier (a load from several tiers charges each the whole time)."""
+        for name in set(sources):
+            n = sum(s == name for s in sources)
+            self.cost.observe_load(name, n * self.manager.layout.block_bytes, seconds)
+
+    def _probe(self) -> None:
+        """Seed the cost model: a lookup of a key no tier holds (the round trip), and a read of
+        one block a tier already holds (a disk restored from a last run, say). Writes nothing."""
+        absent = BlockHash(b"\xff" * 16)
+        for name, tier in self.manager.tiers.items():
+            try:
+                t0 = time.monotonic()
+                tier.contains_prefix([absent])
+                self.cost.observe_lookup(name, time.monotonic() - t0)
+                held = tier.keys()[-1:]
+                if held:
+                    t0 = time.monotonic()
+                    tier._read(held[0])  # no touch, no counters: a probe, not a load
+                    self.cost.observe_load(name, self.manager.layout.block_bytes,
+                                           time.monotonic() - t0)
+            except Exception:  # noqa: BLE001 - unmeasured: the first real load measures it
+                log.info("probing the %s tier failed; its first load measures it", name)
 
     # ---- between steps (the step thread) -------------------------------------------------------
 
@@ -116,9 +192,15 @@ class TierIO:
         self.demote_evicted()  # before the writes below reuse evicted blocks
         if blocks:
             self.runner.write_blocks(ids, torch.stack(blocks))
-        for name in sources:
-            req.tier_hit_tokens[name] = req.tier_hit_tokens.get(name, 0) + self.block_size
+        if req.num_preemptions == 0:  # usage counts the first admission's hits only
+            for name in sources:
+                req.tier_hit_tokens[name] = req.tier_hit_tokens.get(name, 0) + self.block_size
         self.scheduler.complete_load(req, ids)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step's throughput; steps with a prefill's worth of tokens feed the cost model."""
+        if tokens >= 64:
+            self.cost.observe_prefill(tokens, seconds)
 
     def demote_evicted(self) -> None:
         """Cached blocks the device pool just took for new data go to the cpu tier (their KV is
@@ -127,18 +209,49 @@ class TierIO:
             return
         evicted, self.pool.evicted = self.pool.evicted, []
         cpu = self.manager.tiers["cpu"]
-        todo = [(h, bid) for h, bid in evicted if not cpu.contains_prefix([h])]
-        if todo:
-            self.manager.demote([h for h, _ in todo], self.runner.gather_blocks([b for _, b in todo]))
+        todo = [e for e in evicted if e.hash not in self._no_demote
+                and not cpu.contains_prefix([e.hash])]
+        self._no_demote.difference_update(e.hash for e in evicted)
+        if todo:  # the pool does not keep a block's parent: announced with none
+            self.manager.demote([e.hash for e in todo],
+                                self.runner.gather_blocks([e.block_id for e in todo]),
+                                meta=[(None, e.token_ids) for e in todo])
 
     def store_full(self) -> None:
         """Blocks that became full and computed in the last step: one gather, then the store
-        queues of every tier (a full queue drops the write; the step never waits)."""
+        queues of the tiers each block's request allows (a full queue drops the write; the
+        step never waits)."""
         full = self.scheduler.newly_full
         if not full:
             return
         self.scheduler.newly_full = []
-        self.manager.store([h for h, _ in full], self.runner.gather_blocks([b for _, b in full]))
+        groups: dict[tuple[str, ...], list[FullBlock]] = {}
+        for f in full:
+            tiers = self._store_tiers(f.request)
+            if "cpu" not in tiers:
+                self._no_demote.add(f.hash)
+            if tiers:
+                groups.setdefault(tiers, []).append(f)
+        kept = [f for fs in groups.values() for f in fs]
+        if not kept:
+            return
+        data = self.runner.gather_blocks([f.block_id for f in kept])
+        start = 0
+        for tiers, fs in groups.items():
+            self.manager.store([f.hash for f in fs], data[start:start + len(fs)], tiers,
+                               meta=[(f.parent_hash, f.token_ids) for f in fs])
+            start += len(fs)
+
+    def _store_tiers(self, req: Request) -> tuple[str, ...]:
+        """The tiers this block of `req` goes to, within its max_offload_tokens."""
+        d = req.tier_decision
+        if d is None:
+            return tuple(self.manager.tiers)
+        if d.max_store_blocks is not None:
+            if req.num_stored_blocks >= d.max_store_blocks:
+                return ()
+            req.num_stored_blocks += 1
+        return d.store_tiers
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

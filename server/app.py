@@ -16,7 +16,8 @@ from tierserve.engine.async_engine import AsyncEngine
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, error_response, validation_message
 from tierserve.server.metrics import ServerMetrics
-from tierserve.server.routes import backends, chat, completions, models
+from tierserve.server.policy import TierRef, parse_hints
+from tierserve.server.routes import backends, chat, completions, kv_events, models
 from tierserve.server.serving import ServerContext
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ def _too_large(limit: int):
 
 def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     tiers = engine.engine.tier_io
-    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name,
-                            tiers.manager.stats if tiers is not None else None)
-    ctx = ServerContext(config, engine, metrics, int(time.time()))
+    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name, tiers)
+    ctx = ServerContext(config, engine, metrics, int(time.time()), tier_refs(tiers))
+    engine.engine.default_hints = parse_hints(config.default_hint_headers(), None, ctx.tiers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,12 +98,20 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="tierserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server (see docs/api.md).")
     app.state.ctx = ctx
-    for r in (completions.router, chat.router, models.router, backends.router):
+    for r in (completions.router, chat.router, models.router, backends.router, kv_events.router):
         app.include_router(r)
     _install_error_handlers(app, metrics)
     app.add_middleware(RequestGate, config=config)
     _pin_model_name(app, config.model_name)
     return app
+
+
+def tier_refs(tiers) -> list[TierRef]:
+    """The engine's tiers as clients name and match them (none without tiers)."""
+    if tiers is None:
+        return []
+    return [TierRef(name, t.medium.value, t.locality.value)
+            for name, t in tiers.manager.tiers.items()]
 
 
 def _pin_model_name(app: FastAPI, name: str) -> None:

@@ -62,10 +62,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.engine.llm import build_config
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.server.app import build_app
+    from tierserve.server.errors import ApiError
 
     engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
+    try:
+        app = build_app(config, engine)
+    except ApiError as e:  # a bad default_* hint: the same check a request's header gets
+        print(f"tierserve serve: default hints: {e.message}", file=sys.stderr)
+        engine.engine.close()
+        return 2
     engine.start()
-    app = build_app(config, engine)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
                                timeout_graceful_shutdown=int(config.drain_timeout_s))

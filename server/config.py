@@ -80,6 +80,22 @@ class ServerConfig:
     """S3-compatible endpoint URL (SeaweedFS, MinIO, ...); unset: AWS."""
     s3_region: str | None = None
     """Region of the s3 tier's bucket."""
+    default_kv_load_tiers: str | None = None
+    """X-KV-Load-Tiers for requests that send none (tier names, all or none)."""
+    default_kv_store_tiers: str | None = None
+    """X-KV-Store-Tiers for requests that send none."""
+    default_slo_class: str | None = None
+    """X-SLO-Class for requests that send none: interactive or batch."""
+    default_slo_ttft_ms: float | None = None
+    """X-SLO-TTFT-Ms for requests that send none."""
+
+    def default_hint_headers(self) -> dict[str, str]:
+        """The defaults above as the request headers they stand in for."""
+        pairs = (("X-KV-Load-Tiers", self.default_kv_load_tiers),
+                 ("X-KV-Store-Tiers", self.default_kv_store_tiers),
+                 ("X-SLO-Class", self.default_slo_class),
+                 ("X-SLO-TTFT-Ms", self.default_slo_ttft_ms))
+        return {k: str(v) for k, v in pairs if v is not None}
 
     @property
     def model_name(self) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampler import TopLogprobs
+from tierserve.engine.tier_policy import TierDecision
 from tierserve.server.protocol import PromptTokensDetails, Usage
 
 
@@ -21,6 +22,10 @@ class Delta:
     stop_reason: int | str | None
     first: bool
     """The first delta of this choice (for echo and the assistant role)."""
+    kv_decision: TierDecision | None = None
+    """Set on the choice's finishing delta: what the KV tier policy did."""
+    kv_hit_tokens: dict[str, int] | None = None
+    """Set on the finishing delta: prompt tokens served per cache."""
 
 
 class DeltaTracker:
@@ -49,7 +54,10 @@ class DeltaTracker:
         self.sent_text[i] = max(self.sent_text[i], len(c.text))
         self.sent_tokens[i] = len(c.token_ids)
         self.completion_tokens[i] = len(c.token_ids)
-        return Delta(text, ids, lps, c.finish_reason, c.stop_reason, first)
+        if not out.finished:
+            return Delta(text, ids, lps, c.finish_reason, c.stop_reason, first)
+        return Delta(text, ids, lps, c.finish_reason, c.stop_reason, first, out.kv_decision,
+                     out.kv_hit_tokens)
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())

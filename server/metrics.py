@@ -6,6 +6,7 @@ are observed on the event loop as outputs arrive."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Callable, Iterable
@@ -135,14 +136,30 @@ class _TierCollector:
         yield b
 
 
+class _PolicyCollector:
+    """The tier policy's per-request decisions, by outcome."""
+
+    def __init__(self, counters, model: str):
+        self.counters, self.model = counters, model
+
+    def collect(self) -> Iterable[Metric]:
+        c = CounterMetricFamily("tierserve:kv_policy_decisions",
+                                "Tier policy decisions: loads chosen, tiers skipped by budget, "
+                                "cost or a short prompt, loads abandoned at the deadline.",
+                                labels=["model_name", "outcome"])
+        for outcome, n in dataclasses.asdict(self.counters).items():
+            c.add_metric([self.model, outcome], n)
+        yield c
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str,
-                 tier_stats: Callable[[], dict] | None = None):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str, tiers=None):
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(snapshot, model))
-        if tier_stats is not None:
-            self.registry.register(_TierCollector(tier_stats, model))
+        if tiers is not None:  # the engine's TierIO
+            self.registry.register(_TierCollector(tiers.manager.stats, model))
+            self.registry.register(_PolicyCollector(tiers.counters, model))
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, **kw).labels(model)

@@ -47,8 +47,10 @@ class _SamplingFields(_Body):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
-    priority: Optional[int] = 0
+    priority: Optional[int] = None
     cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    """vLLM's per-request KV tier filters and budgets (server/policy.py)."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -135,6 +137,9 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
 
 
 class TopLogprob(BaseModel):
@@ -172,6 +177,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
 
 
 class DeltaMessage(BaseModel):
@@ -182,14 +190,14 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: DeltaMessage) -> dict:
         """Unset delta fields are left out, as vLLM and OpenAI send them (no "role": null)."""
         return delta.model_dump(exclude_none=True)
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -200,6 +208,9 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
 
 
 class ModelCard(BaseModel):

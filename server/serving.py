@@ -20,7 +20,9 @@ from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
-from tierserve.server.policy import RequestPolicy, policy_from_headers
+from tierserve.engine.kv_hints import KVHints
+from tierserve.engine.tier_policy import TierDecision
+from tierserve.server.policy import TierRef, applied_params, parse_hints
 from tierserve.server.protocol import _SamplingFields
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class ServerContext:
     engine: AsyncEngine
     metrics: ServerMetrics
     created: int
+    tiers: list[TierRef]
+    """The engine's KV tiers in lookup order, as clients name and match them."""
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Call:
 
     request_id: str
     """The X-Request-Id (the client's, or generated)."""
-    policy: RequestPolicy
+    hints: KVHints
+    """The request's KV tier hints (headers and kv_transfer_params), checked."""
     created: int
 
 
@@ -52,8 +57,37 @@ def context(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-def start_call(request: Request) -> Call:
-    return Call(request.state.request_id, policy_from_headers(request.headers), int(time.time()))
+def start_call(request: Request, body: _SamplingFields) -> Call:
+    hints = parse_hints(request.headers, body.kv_transfer_params, context(request).tiers)
+    return Call(request.state.request_id, hints, int(time.time()))
+
+
+def kv_facts(ctx: ServerContext, call: Call, outputs: list[RequestOutput],
+             n: int) -> tuple[dict[str, str], dict | None]:
+    """What the tier policy did for a finished group: the X-KV-Policy and X-KV-Hit-Tokens
+    headers and the kv_transfer_params echo. Hit tokens count each prompt once (as usage does);
+    the policy is the first choice's (every choice of a request has the same hints)."""
+    done = [o for o in outputs if o.kv_decision is not None]
+    if not ctx.tiers or not done:
+        return {}, None
+    hits: dict[str, int] = {}
+    for k, out in enumerate(outputs):
+        if k % n == 0 and out.kv_hit_tokens:
+            for tier, tokens in out.kv_hit_tokens.items():
+                hits[tier] = hits.get(tier, 0) + tokens
+    echo = kv_echo(ctx, call, done[0].kv_decision, hits)
+    return {"X-KV-Policy": echo["kv_policy"],
+            "X-KV-Hit-Tokens": ",".join(f"{t}={v}" for t, v in hits.items())}, echo
+
+
+def kv_echo(ctx: ServerContext, call: Call, decision: TierDecision | None,
+            hits: dict[str, int] | None) -> dict | None:
+    """kv_transfer_params as applied, with the policy in words and the hit tokens per cache."""
+    if not ctx.tiers or decision is None:
+        return None
+    echo = applied_params(call.hints, decision.load_tiers, decision.store_tiers, ctx.tiers)
+    echo.update(kv_policy=decision.header(), kv_hit_tokens=hits or {})
+    return echo
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -134,7 +168,8 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
             child = dataclasses.replace(params, n=1,
                                         seed=None if params.seed is None else params.seed + j)
             children.append(ChildRequest(f"{base}-{p * params.n + j}", ids, child,
-                                         body.priority or 0, body.cache_salt))
+                                         body.priority or 0, body.cache_salt,
+                                         None if call.hints.empty else call.hints))
     try:
         stream = ctx.engine.add_group(children)
     except ParamError as e:
@@ -145,9 +180,6 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
                        headers={"Retry-After": "1"}) from None
     except EngineStopped as e:
         raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
-    if not call.policy.empty:
-        log.debug("request %s kv policy headers (not acted on yet): %s", call.request_id,
-                  call.policy.headers)
     return stream
 
 

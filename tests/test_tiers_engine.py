@@ -178,9 +178,11 @@ def test_corrupt_and_truncated_disk_blocks_are_misses_and_removed(tmp_path, long
     assert errors.get("corrupt", 0) >= 1
     # the corrupt file was removed, and the recomputed block stored again in its place
     assert ordered[10].exists() and bytes(data) != ordered[10].read_bytes()
-    # block 10 is good again; the truncated block 20 was never read (the run ended at 10) and
-    # now ends the run there, as a miss that removes it
-    assert healed.outputs[0].token_ids == cold and healed.num_cached_tokens == 20 * 16
+    # block 10 is good again. The truncated block 20 was either read in parallel during the
+    # second run (found corrupt, removed, recomputed and stored again: a full hit now) or not
+    # read then (the run ended at 10), and now ends the run at block 20 as a miss.
+    assert healed.outputs[0].token_ids == cold
+    assert healed.num_cached_tokens in (20 * 16, HIT_TOKENS)
 
 
 def _prompt_block_files(llm: LLM, prompt: list[int], by_key: dict) -> list:

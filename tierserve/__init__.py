@@ -29,6 +29,9 @@ _LAZY = {
     "ParamError": "tierserve.engine.sampling_params",
     "RequestOutput": "tierserve.engine.outputs",
     "CompletionOutput": "tierserve.engine.outputs",
+    "KVHints": "tierserve.engine.kv_hints",
+    "SloClass": "tierserve.engine.kv_hints",
+    "TierConfig": "tierserve.engine.kv_tiers.config",
 }
 
 __all__ = ["__version__", *_LAZY]

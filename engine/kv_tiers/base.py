@@ -5,6 +5,9 @@ Two phases, called from the manager's threads (never from the step loop itself):
   load(keys) -> [tensor]            verified payloads, each [layers, 2, kv_heads, block_size, dim]
   store(keys, blocks) -> int        write blocks the tier lacks; never raises for I/O trouble
 
+Every tier announces what it writes, evicts, removes and clears through `self.events`
+(TierEvents; the owning TierManager connects it to its EventLog).
+
 All public methods are thread-safe: each tier guards its index with its own lock and does slow
 I/O outside it. Recency: load() and store() end by touching their keys last-to-first, so within
 one sequence the prefix is the most recently used block and a suffix is evicted before its prefix
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.kv_tiers.errors import CorruptPayload, TierError, TierUnavailable
+from tierserve.engine.kv_tiers.events import BlockMeta, TierEvents
 from tierserve.engine.kv_tiers.media import Locality, Medium
 from tierserve.engine.kv_tiers.stats import TierCounters, TierStats
 
@@ -39,6 +43,7 @@ class KVTier(ABC):
         self.config = config
         self.layout = layout
         self.counters = TierCounters()
+        self.events = TierEvents(self.medium.value, self.locality.value, layout.block_size)
         self.delay_s = 0.0
         """Test hook: each block's read and write sleeps this long first, inside the timed
         part, so a slow tier looks slow in the stats too."""
@@ -62,29 +67,34 @@ class KVTier(ABC):
         self.touch(keys)
         return out
 
-    def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> int:
+    def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor],
+              meta: Sequence[BlockMeta] | None = None) -> int:
         """Write the blocks whose keys the tier lacks, in order; returns how many were written.
-        A failure is counted by kind and ends the call (the blocks before it stay)."""
-        if len(keys) != len(blocks):
-            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        A failure is counted by kind and ends the call (the blocks before it stay). The written
+        keys are announced as BlockStored, with `meta` (parent hash, token ids) per key."""
+        if len(keys) != len(blocks) or (meta is not None and len(meta) != len(keys)):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks"
+                             + (f" and {len(meta)} meta entries" if meta is not None else ""))
         for b in blocks:
             self._check_block(b)
         if not self._allow_store():
             self.counters.error(TierUnavailable.kind)
             return 0
-        written, done = 0, 0
-        for key, block in zip(keys, blocks):
-            try:
-                written += self._store_one(key, block)
-            except TierError as e:
-                self.counters.error(e.kind)
-                self._store_failed(e)
-                break
-            done += 1
-        else:
-            self._store_succeeded()
+        done = 0
+        with self.events.storing(keys, meta) as batch:
+            for i, (key, block) in enumerate(zip(keys, blocks)):
+                try:
+                    if self._store_one(key, block):
+                        batch.add(i)
+                except TierError as e:
+                    self.counters.error(e.kind)
+                    self._store_failed(e)
+                    break
+                done += 1
+            else:
+                self._store_succeeded()
         self.touch(keys[:done])
-        return written
+        return batch.written
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
         """Mark keys used, the first key last, so it is the most recently used."""
@@ -92,8 +102,18 @@ class KVTier(ABC):
             self._touch(key)
 
     def remove(self, key: BlockHash) -> bool:
-        """Drop one block; True if it was there."""
-        return self._delete(key)
+        """Drop one block; True if it was there (and then it is announced as BlockRemoved)."""
+        if not self._delete(key):
+            return False
+        self.events.removed([key])
+        return True
+
+    def clear(self) -> int:
+        """Drop every block the tier knows of (see _clearable); announced as one
+        AllBlocksCleared. Returns how many were dropped. Writes still queued land afterwards."""
+        n = sum(self._delete(key) for key in self._clearable())
+        self.events.cleared()
+        return n
 
     @abstractmethod
     def keys(self) -> list[BlockHash]:
@@ -132,7 +152,7 @@ class KVTier(ABC):
         except TierError as e:
             self.counters.error(e.kind)
             if isinstance(e, CorruptPayload):
-                self._delete(key)
+                self.remove(key)
             raise
         dt = time.perf_counter() - t0
         self.counters.add(loaded_blocks=1, bytes_loaded=self.layout.block_bytes, load_seconds=dt)
@@ -155,6 +175,11 @@ class KVTier(ABC):
             raise ValueError(f"{self.name} tier: block is {block.dtype} {tuple(block.shape)}, "
                              f"expected {lay.dtype} {lay.block_shape}")
 
+    def _evicted(self, keys: Sequence[BlockHash]) -> None:
+        """Count and announce blocks dropped to make room (call without the index lock)."""
+        self.counters.add(evictions=len(keys))
+        self.events.removed(keys)
+
     def _pause(self) -> None:
         if self.delay_s > 0:
             time.sleep(self.delay_s)
@@ -176,6 +201,10 @@ class KVTier(ABC):
 
     def _touch(self, key: BlockHash) -> None:
         """Mark one key most recently used (tiers without an eviction order ignore it)."""
+
+    def _clearable(self) -> list[BlockHash]:
+        """The keys clear() deletes: all of keys() unless a tier says otherwise."""
+        return self.keys()
 
     def _allow_load(self) -> bool:
         return True

@@ -13,11 +13,11 @@ class TierConfig:
 
     tiers: tuple[str, ...] = ("cpu",)
     """Tier names in lookup order (after the device cache), from: cpu, disk, s3."""
-    cpu_bytes: int = 1 << 30
+    cpu_bytes: int = 4 << 30
     """Host memory the cpu tier may hold, in payload bytes."""
     disk_dir: str | None = None
     """Folder of the disk tier; each model gets its own subfolder named by its fingerprint."""
-    disk_bytes: int = 16 << 30
+    disk_bytes: int = 64 << 30
     """Payload bytes the disk tier may keep under disk_dir (per model)."""
     disk_error_backoff_s: float = 30.0
     """After a failed disk write (full, read-only), stores pause this long; loads go on."""
@@ -51,6 +51,8 @@ class TierConfig:
     """Writer threads per tier."""
     load_workers: int = 4
     """Threads that read payloads for start_load, shared by all tiers."""
+    event_log_size: int = 10000
+    """KV events (stored, removed, cleared) kept for GET /v1/kv/events readers that fall behind."""
 
     def __post_init__(self) -> None:
         for name in self.tiers:
@@ -63,6 +65,7 @@ class TierConfig:
         if "s3" in self.tiers and not self.s3_bucket:
             raise ValueError("s3_bucket: required when the s3 tier is enabled")
         for field in ("cpu_bytes", "disk_bytes", "store_queue_depth", "store_workers",
-                      "load_workers", "s3_max_attempts", "s3_probe_batch", "breaker_threshold"):
+                      "load_workers", "s3_max_attempts", "s3_probe_batch", "breaker_threshold",
+                      "event_log_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be at least 1, got {getattr(self, field)}")

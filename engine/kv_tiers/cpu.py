@@ -70,16 +70,16 @@ class CpuTier(KVTier):
             evicted = self._evict_for(n)
             self._blocks[key] = copy
             self._used += n
-        self.counters.add(evictions=evicted)
+        self._evicted(evicted)
         return n
 
-    def _evict_for(self, n: int) -> int:
+    def _evict_for(self, n: int) -> list[BlockHash]:
         """Drop least recently used blocks until n more bytes fit; the lock is held."""
-        evicted = 0
+        evicted = []
         while self._blocks and self._used + n > self._capacity:
-            _, victim = self._blocks.popitem(last=False)
-            self._used -= victim.nelement() * victim.element_size()
-            evicted += 1
+            victim, block = self._blocks.popitem(last=False)
+            self._used -= block.nelement() * block.element_size()
+            evicted.append(victim)
         return evicted
 
     def _touch(self, key: BlockHash) -> None:

@@ -82,7 +82,7 @@ class DiskTier(KVTier):
         self._stamp = max([time.time_ns()] + [m for m, _, _ in found])
         with self._lock:
             victims = self._evict_for(0)  # the capacity may have shrunk since the last run
-        self._unlink(victims)
+        self._unlink(victims)  # no log is connected yet: nothing is announced
 
     def _scan(self) -> list[tuple[int, BlockHash, int]]:
         """(mtime_ns, key, size) of every payload file; deletes stale temp files."""
@@ -137,7 +137,7 @@ class DiskTier(KVTier):
             with open(self.path(key), "rb") as f:
                 data = f.read()
         except FileNotFoundError:  # removed behind our back (another process, an operator)
-            self._delete(key)
+            self.remove(key)
             raise TierMiss(f"disk tier: file of {key.hex()} vanished") from None
         except OSError as e:
             raise TierError(f"disk tier: reading {key.hex()}: {e}") from e
@@ -170,20 +170,20 @@ class DiskTier(KVTier):
             self._index[key] = size
         return size
 
-    def _evict_for(self, size: int) -> list[str]:
-        """Pop LRU entries until `size` more bytes fit; the lock is held. Returns their paths."""
+    def _evict_for(self, size: int) -> list[BlockHash]:
+        """Pop LRU entries until `size` more bytes fit; the lock is held. Returns their keys."""
         victims = []
         while self._index and self._used + size > self._capacity:
             key, n = self._index.popitem(last=False)
             self._used -= n
-            victims.append(self.path(key))
+            victims.append(key)
         return victims
 
-    def _unlink(self, paths: list[str]) -> None:
-        for p in paths:
+    def _unlink(self, victims: list[BlockHash]) -> None:
+        for key in victims:
             with contextlib.suppress(OSError):
-                os.unlink(p)
-        self.counters.add(evictions=len(paths))
+                os.unlink(self.path(key))
+        self._evicted(victims)
 
     def _touch(self, key: BlockHash) -> None:
         with self._lock:

@@ -4,16 +4,20 @@ Threads and what they own:
 
     caller (step loop)          load pool (load_workers)     writers (store_workers per tier)
     ------------------          ------------------------     --------------------------------
-    lookup(): contains_prefix   LoadHandle jobs:             StoreQueue._run: tier.store()
-      on each allowed tier        tier.load([key])
-    start_load() -> LoadHandle
+    lookup(): contains_prefix   LoadHandle jobs:             StoreQueue._run: tier.store(),
+      on each allowed tier        tier.load([key])             which records BlockStored
+    start_load() -> LoadHandle                                 after the writes
     store()/demote(): one host
       copy, put_nowait per tier
+
+clear() runs on its caller's thread; whichever thread drops a block records BlockRemoved.
 
 The caller never waits on a payload read or write: lookup() asks only for presence (for s3,
 HEAD requests bounded by max_blocks, the breaker and the timeouts), loads run on the pool, and a
 store whose queue is full is dropped and counted. Per-request filters (load_tiers, store_tiers)
 and the load budget (max_blocks) are arguments of each call; None means every configured tier.
+
+`events` is the log of what the tiers stored, removed and cleared (events.py), for routers.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.config import TierConfig
+from tierserve.engine.kv_tiers.events import BlockMeta, EventLog
 from tierserve.engine.kv_tiers.layout import BlockLayout
 from tierserve.engine.kv_tiers.load import LoadHandle, TierHit
 from tierserve.engine.kv_tiers.registry import TIERS, create_tier
@@ -42,10 +47,13 @@ class TierManager:
                  dtype: torch.dtype):
         self.config = config
         self.layout = BlockLayout(fingerprint, tuple(block_shape), dtype)
+        self.events = EventLog(config.event_log_size)
+        """What the tiers stored, removed and cleared (GET /v1/kv/events)."""
         self.tiers: dict[str, KVTier] = {}
         """The tiers in lookup order, by name."""
         for name in config.tiers:
             self.tiers[name] = create_tier(name, config, self.layout)
+            self.tiers[name].events.log = self.events
         self._writers = {name: StoreQueue(t, config.store_queue_depth, config.store_workers)
                          for name, t in self.tiers.items()}
         self._pool = cf.ThreadPoolExecutor(config.load_workers, thread_name_prefix="kv-load")
@@ -67,10 +75,15 @@ class TierManager:
         return LoadHandle(hit, self.tiers, self._pool)
 
     def store(self, keys: Sequence[BlockHash], blocks: torch.Tensor,
-              store_tiers: Iterable[str] | None = None) -> int:
+              store_tiers: Iterable[str] | None = None,
+              meta: Sequence[BlockMeta] | None = None) -> int:
         """Queue blocks [n, *block_shape] for every allowed tier; returns how many tiers took
-        the job. Copies the blocks once (the caller may reuse its buffer at once); never waits."""
+        the job. Copies the blocks once (the caller may reuse its buffer at once); never waits.
+        `meta`: (parent hash or None, token ids) per key, for the BlockStored events (None:
+        parent_block_hash None and no token ids)."""
         self._check_blocks(keys, blocks)
+        if meta is not None and len(meta) != len(keys):
+            raise ValueError(f"{len(meta)} meta entries for {len(keys)} keys")
         queues = [self._writers[t.name] for t in self._select(store_tiers)]
         if not keys or not queues:
             return 0
@@ -79,11 +92,19 @@ class TierManager:
                 q.drop()
             return 0
         host = torch.empty(blocks.shape, dtype=blocks.dtype, device="cpu").copy_(blocks)
-        return sum(q.submit(tuple(keys), host) for q in queues)
+        meta = tuple(meta) if meta is not None else None
+        return sum(q.submit(tuple(keys), host, meta) for q in queues)
 
-    def demote(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> int:
+    def demote(self, keys: Sequence[BlockHash], blocks: torch.Tensor,
+               meta: Sequence[BlockMeta] | None = None) -> int:
         """Keep blocks the device cache evicts in the cpu tier (if configured)."""
-        return self.store(keys, blocks, store_tiers=("cpu",))
+        return self.store(keys, blocks, store_tiers=("cpu",), meta=meta)
+
+    def clear(self, tiers: Iterable[str] | None = None) -> int:
+        """Drop every block of the given tiers (None: all), each announced as AllBlocksCleared;
+        returns how many blocks were dropped. s3 drops only what this process uploaded (see
+        s3.py). Runs on the caller's thread (s3: one DELETE per block)."""
+        return sum(t.clear() for t in self._select(tiers))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is done; False if `timeout` ran out first."""

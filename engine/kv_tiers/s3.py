@@ -10,9 +10,13 @@ breaker first; while it is open the lookup is a miss and the store is dropped at
 "unavailable"). Every request reports back: any HTTP answer (a 404 included) is a success, a
 timeout, refused connection, 5xx or auth failure is a failure.
 
-There is no eviction here: the bucket's lifecycle rules bound it. used_bytes counts what this
-process wrote. The bucket is created (when s3_create_bucket) before the first write, not in the
-constructor, so building a tier does no network I/O. Thread-safe: the boto3 client is shared,
+There is no eviction here: the bucket's lifecycle rules bound it, and what they expire is never
+announced as BlockRemoved. used_bytes counts what this process wrote. clear() deletes only the
+keys this process uploaded (remembered in memory, ~100 bytes each): blocks that other processes
+or earlier runs put under the prefix stay, although AllBlocksCleared is announced; a shared
+bucket is not emptied under its other users' feet. The bucket is created (when
+s3_create_bucket) before the first write, not in the constructor, so building a tier does no
+network I/O. Thread-safe: the boto3 client is shared,
 its connection pool sized for the probe, load and store threads.
 """
 
@@ -52,6 +56,7 @@ class S3Tier(KVTier):
         self._probes = ThreadPoolExecutor(config.s3_probe_batch, thread_name_prefix="kv-s3-probe")
         self._lock = threading.Lock()
         self._used = 0
+        self._uploaded: set[BlockHash] = set()
         self._bucket_ready = not config.s3_create_bucket
 
     @property
@@ -134,14 +139,21 @@ class S3Tier(KVTier):
             raise
         with self._lock:
             self._used += len(data)
+            self._uploaded.add(key)
         return len(data)
 
     def _delete(self, key: BlockHash) -> bool:
         try:
             self._request("delete_object", Key=self.object_key(key))
-            return True
         except TierError:
             return False
+        with self._lock:
+            self._uploaded.discard(key)
+        return True
+
+    def _clearable(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._uploaded)
 
     def _allow_load(self) -> bool:
         return self.breaker.allow()

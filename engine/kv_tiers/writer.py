@@ -17,10 +17,11 @@ import torch
 
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
+from tierserve.engine.kv_tiers.events import BlockMeta
 
 log = logging.getLogger(__name__)
 
-Job = tuple[Sequence[BlockHash], torch.Tensor]
+Job = tuple[Sequence[BlockHash], torch.Tensor, Sequence[BlockMeta] | None]
 
 
 class StoreQueue:
@@ -40,10 +41,12 @@ class StoreQueue:
         """Jobs waiting in the queue (not counting the ones being written)."""
         return self._q.qsize()
 
-    def submit(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> bool:
-        """Queue a write of blocks [n, *block_shape]; False (and counted) if the queue is full."""
+    def submit(self, keys: Sequence[BlockHash], blocks: torch.Tensor,
+               meta: Sequence[BlockMeta] | None = None) -> bool:
+        """Queue a write of blocks [n, *block_shape] (meta: see KVTier.store); False (and
+        counted) if the queue is full."""
         try:
-            self._q.put_nowait((keys, blocks))
+            self._q.put_nowait((keys, blocks, meta))
             return True
         except queue.Full:
             self.tier.counters.add(dropped_writes=1)
@@ -81,8 +84,8 @@ class StoreQueue:
             try:
                 if job is None:
                     return
-                keys, blocks = job
-                self.tier.store(keys, list(blocks))
+                keys, blocks, meta = job
+                self.tier.store(keys, list(blocks), meta)  # announces what it wrote
             except Exception:
                 self.tier.counters.error("unexpected")
                 log.exception("%s tier: store failed", self.tier.name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tierserve.engine.outputs import RequestOutput
@@ -14,7 +14,7 @@ from tierserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs,
                                        DeltaMessage, TokenLogprob, TopLogprob, Usage)
 from tierserve.server.serving import (Call, ServerContext, admit, check_model, collect, context,
-                                      sampling_params, start_call)
+                                      kv_echo, kv_facts, sampling_params, start_call)
 from tierserve.server.streaming import sse_stream
 
 router = APIRouter()
@@ -23,8 +23,9 @@ _ROLES = ("system", "developer", "user", "assistant")
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    ctx, call = context(request), start_call(request)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 response: Response):
+    ctx, call = context(request), start_call(request, body)
     check_model(ctx, body.model)
     _reject_unsupported(body)
     ids = [render_chat(ctx, body.messages, body.add_generation_prompt is not False)]
@@ -41,9 +42,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                  media_type="text/event-stream")
     outputs = await collect(ctx, stream, request)
     choices = [_choice(ctx, k, out, body) for k, out in enumerate(outputs)]
+    headers, echo = kv_facts(ctx, call, outputs, params.n)
+    response.headers.update(headers)
     return ChatCompletionResponse(id=f"chatcmpl-{call.request_id}", created=call.created,
                                   model=ctx.config.model_name, choices=choices,
-                                  usage=usage_of(outputs, params.n))
+                                  usage=usage_of(outputs, params.n), kv_transfer_params=echo)
 
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
@@ -115,7 +118,7 @@ class _ChatFormat:
     """Chat chunks: the assistant role first (as OpenAI sends it), then content deltas."""
 
     def __init__(self, ctx: ServerContext, call: Call, body: ChatCompletionRequest, num_choices: int):
-        self.ctx, self.body, self.num_choices = ctx, body, num_choices
+        self.ctx, self.call, self.body, self.num_choices = ctx, call, body, num_choices
         self.base = dict(id=f"chatcmpl-{call.request_id}", created=call.created,
                          model=ctx.config.model_name)
 
@@ -135,7 +138,8 @@ class _ChatFormat:
             return None
         choice = ChatChunkChoice(index=k, delta=DeltaMessage(content=d.text or None), logprobs=lp,
                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-        return ChatCompletionChunk(choices=[choice], **self.base)
+        return ChatCompletionChunk(choices=[choice], **self.base, kv_transfer_params=kv_echo(
+            self.ctx, self.call, d.kv_decision, d.kv_hit_tokens))
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(choices=[], usage=usage, **self.base)

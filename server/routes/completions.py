@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tierserve.engine.outputs import RequestOutput
@@ -12,15 +12,15 @@ from tierserve.server.errors import bad_request
 from tierserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, Usage)
 from tierserve.server.serving import (Call, ServerContext, admit, check_model, collect, context,
-                                      sampling_params, start_call)
+                                      kv_echo, kv_facts, sampling_params, start_call)
 from tierserve.server.streaming import sse_stream
 
 router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
-async def create_completion(body: CompletionRequest, request: Request):
-    ctx, call = context(request), start_call(request)
+async def create_completion(body: CompletionRequest, request: Request, response: Response):
+    ctx, call = context(request), start_call(request, body)
     check_model(ctx, body.model)
     if body.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
@@ -38,9 +38,11 @@ async def create_completion(body: CompletionRequest, request: Request):
     n = params.n
     choices = [_choice(ctx, k, out, body, texts[k // n], prompts[k // n])
                for k, out in enumerate(outputs)]
+    headers, echo = kv_facts(ctx, call, outputs, n)
+    response.headers.update(headers)
     return CompletionResponse(id=f"cmpl-{call.request_id}", created=call.created,
                               model=ctx.config.model_name, choices=choices,
-                              usage=usage_of(outputs, n))
+                              usage=usage_of(outputs, n), kv_transfer_params=echo)
 
 
 def _prompts(ctx: ServerContext, prompt) -> tuple[list[list[int]], list[str]]:
@@ -109,7 +111,7 @@ class _CompletionFormat:
 
     def __init__(self, ctx: ServerContext, call: Call, body: CompletionRequest, texts: list[str],
                  num_choices: int):
-        self.ctx, self.body, self.texts = ctx, body, texts
+        self.ctx, self.call, self.body, self.texts = ctx, call, body, texts
         self.n = body.n or 1
         self.sent = [0] * num_choices  # characters of each choice sent (for text_offset)
         self.base = dict(id=f"cmpl-{call.request_id}", created=call.created,
@@ -131,7 +133,8 @@ class _CompletionFormat:
         self.sent[k] += len(text)
         choice = CompletionChoice(index=k, text=text, logprobs=lp,
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-        return CompletionResponse(choices=[choice], **self.base)
+        return CompletionResponse(choices=[choice], **self.base, kv_transfer_params=kv_echo(
+            self.ctx, self.call, d.kv_decision, d.kv_hit_tokens))
 
     def usage_chunk(self, usage: Usage) -> CompletionResponse:
         return CompletionResponse(choices=[], usage=usage, **self.base)

@@ -1,0 +1,182 @@
+"""The per-request KV tier policy: which tiers a request loads from and stores to, and why.
+
+Decided at admission (again after a preemption), from the request's KVHints and a cost model the
+engine measures itself. Plain Python, no torch.
+
+    explicit tiers (X-KV-Load-Tiers, kv_transfer_params) win: no cost check
+    otherwise, per tier in lookup order, a load is planned only when
+      - the prompt is long enough for the tier's locality (short prompts skip remote tiers),
+      - it fits what is left of the TTFT budget after the time already waited (budget), and
+      - loading the wanted blocks is faster than recomputing them (cost);
+      batch requests skip the cost and budget checks: they load from every tier
+    stores: explicit tiers win; batch and class-less requests store to every tier, interactive
+    ones to the local tiers only
+    a planned load carries a deadline (arrival + budget): past it, it is abandoned and the rest of
+    the prompt recomputed
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tierserve.engine.kv_hints import KVHints, SloClass
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    name: str
+    local: bool
+    """LOCAL locality (cpu, disk) rather than REMOTE (s3)."""
+
+
+@dataclass(frozen=True)
+class TierDecision:
+    """What the policy chose for one admission of one request."""
+
+    load_tiers: tuple[str, ...]
+    store_tiers: tuple[str, ...]
+    max_load_blocks: int | None
+    """At most this many blocks loaded (None: no limit)."""
+    max_store_blocks: int | None
+    """At most this many of the request's blocks stored (None: no limit)."""
+    deadline: float | None
+    """time.monotonic() by which a load must be done (None: the engine's load timeout)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Tier -> why it is not loaded from: 'budget', 'cost', 'short prompt', 'hint'."""
+    notes: tuple[str, ...] = ()
+    """The reasons in a few words each, e.g. 's3 skipped: est 820 ms > 500 ms budget'."""
+
+    def header(self) -> str:
+        """The X-KV-Policy value: 'load=cpu,disk; store=cpu,disk,s3; s3 skipped: ...'."""
+        parts = [f"load={','.join(self.load_tiers) or 'none'}",
+                 f"store={','.join(self.store_tiers) or 'none'}", *self.notes]
+        return "; ".join(parts)
+
+
+class Ewma:
+    """An exponentially weighted moving average; None until the first sample."""
+
+    def __init__(self, alpha: float, seed: float | None = None):
+        self.alpha, self.value = alpha, seed
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+class CostModel:
+    """Per tier: the time to find blocks (lookup latency) and to read them (bandwidth), from real
+    loads; the engine's prefill throughput from real steps. Updated from the fetch and step
+    threads, read at admission: a lock keeps each update whole."""
+
+    def __init__(self, block_bytes: int, block_size: int, alpha: float = 0.3,
+                 prefill_tokens_per_s: float = 1000.0):
+        self.block_bytes, self.block_size, self.alpha = block_bytes, block_size, alpha
+        self._lookup: dict[str, Ewma] = {}
+        self._bandwidth: dict[str, Ewma] = {}
+        self._prefill = Ewma(alpha, prefill_tokens_per_s)
+        self._lock = threading.Lock()
+
+    def observe_lookup(self, tier: str, seconds: float) -> None:
+        with self._lock:
+            self._lookup.setdefault(tier, Ewma(self.alpha)).add(seconds)
+
+    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._bandwidth.setdefault(tier, Ewma(self.alpha)).add(nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self._prefill.add(tokens / seconds)
+
+    def load_seconds(self, tier: str, blocks: int) -> float | None:
+        """Expected time to look up and read `blocks` blocks (None: never measured)."""
+        with self._lock:
+            lookup, bw = self._lookup.get(tier), self._bandwidth.get(tier)
+            if lookup is None or bw is None or bw.value is None:
+                return None
+            return lookup.value + blocks * self.block_bytes / bw.value
+
+    def recompute_seconds(self, blocks: int) -> float:
+        with self._lock:
+            return blocks * self.block_size / self._prefill.value
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"prefill_tokens_per_s": self._prefill.value,
+                    "lookup_s": {k: v.value for k, v in self._lookup.items()},
+                    "bandwidth_bytes_per_s": {k: v.value for k, v in self._bandwidth.items()}}
+
+
+class TierPolicy:
+    def __init__(self, tiers: list[TierInfo], cost: CostModel, block_size: int,
+                 remote_min_tokens: int = 512):
+        self.tiers, self.cost, self.block_size = tiers, cost, block_size
+        self.remote_min_tokens = remote_min_tokens
+        """Prompts with fewer tokens to load than this skip remote tiers (a round trip costs more
+        than their prefill)."""
+
+    def decide(self, hints: KVHints, blocks: int, arrival: float,
+               now: float | None = None) -> TierDecision:
+        """The decision for a request wanting `blocks` blocks past its device prefix."""
+        now = time.monotonic() if now is None else now
+        deadline = None if hints.ttft_budget_ms is None else arrival + hints.ttft_budget_ms / 1e3
+        load, skipped, notes = self._load_tiers(hints, blocks, now, deadline)
+        max_load = _blocks(hints.max_load_tokens, self.block_size)
+        if max_load == 0:
+            load, notes = (), notes + ("load off: max_load_tokens=0",)
+        return TierDecision(load, self._store_tiers(hints), max_load,
+                            _blocks(hints.max_offload_tokens, self.block_size), deadline,
+                            skipped, notes)
+
+    def _load_tiers(self, hints: KVHints, blocks: int, now: float, deadline: float | None):
+        names = [t.name for t in self.tiers]
+        if hints.load_tiers is not None:
+            chosen = tuple(n for n in names if n in hints.load_tiers)
+            return chosen, {n: "hint" for n in names if n not in chosen}, ()
+        if hints.slo_class is SloClass.BATCH:
+            return tuple(names), {}, ()
+        chosen, skipped, notes = [], {}, []
+        for t in self.tiers:
+            why = self._skip(t, blocks, now, deadline)
+            if why is None:
+                chosen.append(t.name)
+            else:
+                skipped[t.name] = why[0]
+                notes.append(f"{t.name} skipped: {why[1]}")
+        return tuple(chosen), skipped, tuple(notes)
+
+    def _skip(self, t: TierInfo, blocks: int, now: float,
+              deadline: float | None) -> tuple[str, str] | None:
+        """(kind, words) when tier t should not be asked, else None."""
+        tokens = blocks * self.block_size
+        if not t.local and tokens < self.remote_min_tokens:
+            return "short prompt", f"{tokens} tokens < {self.remote_min_tokens}"
+        est = self.cost.load_seconds(t.name, blocks)
+        if est is None:  # never measured: try it, the load itself measures it
+            return None
+        if deadline is not None and now + est > deadline:
+            left = max(0.0, deadline - now)
+            return "budget", f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
+        recompute = self.cost.recompute_seconds(blocks)
+        if est >= recompute:
+            return "cost", f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
+        return None
+
+    def _store_tiers(self, hints: KVHints) -> tuple[str, ...]:
+        names = [t.name for t in self.tiers]
+        if hints.store_tiers is not None:
+            return tuple(n for n in names if n in hints.store_tiers)
+        if hints.max_offload_tokens == 0:
+            return ()
+        if hints.slo_class is SloClass.INTERACTIVE:
+            return tuple(t.name for t in self.tiers if t.local)
+        return tuple(names)
+
+
+def _blocks(tokens: int | None, block_size: int) -> int | None:
+    return None if tokens is None else tokens // block_size

@@ -1,0 +1,114 @@
+"""The per-request tier policy on real tiers (cpu, disk folder, SeaweedFS): store filters hold in
+the tiers themselves, token budgets and explicit load tiers hold, and the cost model skips a slow
+S3 for an interactive request, uses it for a batch one, and uses it again once it is fast."""
+
+from __future__ import annotations
+
+import uuid
+
+import boto3
+import pytest
+
+from delay_proxy import delay_proxy
+from s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY
+from tierserve import LLM, KVHints, SamplingParams, SloClass, TierConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT_LEN = 1000
+HIT = (PROMPT_LEN - 1) // 16 * 16
+
+
+@pytest.fixture(scope="module")
+def prompt(corpus_ids) -> list[int]:
+    return corpus_ids[400:400 + PROMPT_LEN]
+
+
+@pytest.fixture(scope="module")
+def cold(llm, prompt) -> list[int]:
+    return llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+
+
+def _s3_keys(endpoint: str, prefix: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
+    out = s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return [o["Key"] for o in out.get("Contents", [])]
+
+
+def _run(llm: LLM, prompt, hints: KVHints | None = None, reset: bool = True):
+    if reset:
+        llm.engine.pool.reset_prefix_cache()
+    out = llm.generate([prompt], GREEDY, kv_hints=hints)[0]
+    assert llm.engine.tier_io.manager.flush(30)
+    return out
+
+
+def test_store_filters_and_budgets_hold_in_the_tiers(tmp_path, weed, s3_creds, prompt, cold):
+    prefix = f"pol-{uuid.uuid4().hex[:8]}"
+    llm = LLM(kv_cache_memory_bytes=96 << 20, max_model_len=2048, kv_tiers=TierConfig(
+        tiers=("cpu", "disk", "s3"), disk_dir=str(tmp_path / "kv"), s3_bucket=BUCKET,
+        s3_endpoint_url=weed.endpoint_url, s3_region="us-east-1", s3_prefix=prefix))
+    tiers = llm.engine.tier_io.manager.tiers
+    try:
+        disk_only = _run(llm, prompt, KVHints(store_tiers=("disk",)))
+        assert disk_only.outputs[0].token_ids == cold
+        assert tiers["cpu"].keys() == [] and _s3_keys(weed.endpoint_url, prefix) == []
+        assert len(tiers["disk"].keys()) == PROMPT_LEN // 16 + 0  # the prompt's full blocks
+        assert disk_only.kv_decision.store_tiers == ("disk",)
+
+        # explicit load tiers: only from disk, whatever else holds the blocks
+        capped = _run(llm, prompt, KVHints(load_tiers=("disk",), max_load_tokens=320,
+                                           max_offload_tokens=160, store_tiers=("cpu", "s3")))
+        assert capped.outputs[0].token_ids == cold
+        assert capped.num_cached_tokens == 320 and capped.kv_hit_tokens["disk"] == 320
+        assert capped.kv_decision.max_load_blocks == 20
+        # max_offload_tokens=160: 10 blocks at most were stored, to cpu and s3 only
+        assert len(tiers["cpu"].keys()) == 10 and len(_s3_keys(weed.endpoint_url, prefix)) == 10
+
+        nothing = _run(llm, prompt, KVHints(load_tiers=()))
+        assert nothing.num_cached_tokens == 0 and nothing.outputs[0].token_ids == cold
+    finally:
+        llm.engine.close()
+
+
+def test_the_cost_model_skips_a_slow_s3_for_interactive_and_recovers(weed, s3_creds, prompt,
+                                                                      cold):
+    interactive = KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=1500)
+    batch = KVHints(slo_class=SloClass.BATCH)
+    with delay_proxy(weed.endpoint_url) as proxy:
+        llm = LLM(kv_cache_memory_bytes=96 << 20, max_model_len=2048, kv_tiers=TierConfig(
+            tiers=("s3",), s3_bucket=BUCKET, s3_endpoint_url=proxy.url, s3_region="us-east-1",
+            s3_prefix=f"cost-{uuid.uuid4().hex[:8]}", s3_read_timeout_s=10.0))
+        io = llm.engine.tier_io
+        try:
+            assert _run(llm, prompt, batch).outputs[0].token_ids == cold  # stores to s3
+            fast = _run(llm, prompt, batch)  # a fast load: the cost model learns s3
+            assert fast.kv_hit_tokens["s3"] == HIT
+
+            proxy.delay_s = 0.3  # every S3 call now takes 300 ms more
+            tries = []
+            for _ in range(6):  # believed fast at first: tried, abandoned at the deadline,
+                out = _run(llm, prompt, interactive)  # until the averages learn the delay
+                assert out.outputs[0].token_ids == cold
+                tries.append(out)
+                if out.kv_decision.skipped:
+                    break
+            assert io.counters.abandoned >= 1 and tries[0].kv_hit_tokens["s3"] < HIT
+            skipped = tries[-1]
+            assert skipped.kv_decision.skipped == {"s3": "budget"}
+            assert skipped.kv_hit_tokens["s3"] == 0
+            assert "s3 skipped: est" in skipped.kv_decision.header()
+
+            used = _run(llm, prompt, batch)  # batch loads from every tier, slow or not
+            assert used.kv_hit_tokens["s3"] == HIT and used.outputs[0].token_ids == cold
+
+            proxy.delay_s = 0.0
+            for _ in range(30):  # batch loads feed the averages until s3 fits the budget again
+                again = _run(llm, prompt, interactive)
+                if again.kv_hit_tokens["s3"] == HIT:
+                    break
+                _run(llm, prompt, batch)
+            assert again.kv_hit_tokens["s3"] == HIT and again.outputs[0].token_ids == cold
+            assert "s3" in again.kv_decision.load_tiers
+        finally:
+            llm.engine.close()
