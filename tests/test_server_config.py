@@ -1,4 +1,4 @@
-"""Server settings and header recording: no model, milliseconds."""
+"""Server settings: no model, milliseconds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from tierserve.server.cli import build_parser
 from tierserve.server.config import ServerConfig, load_config, parse_bytes
-from tierserve.server.policy import policy_from_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,8 +41,19 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
-def test_policy_records_only_kv_headers():
-    pol = policy_from_headers({"X-SLO-TTFT-MS": "200", "x-kv-load-tiers": "cpu,disk",
-                               "authorization": "Bearer k"})
-    assert pol.headers == {"x-slo-ttft-ms": "200", "x-kv-load-tiers": "cpu,disk"}
-    assert policy_from_headers({}).empty
+def test_tier_settings_take_suffixes_and_reach_the_engine_config(tmp_path):
+    from tierserve.engine.llm import build_config
+
+    cfg = load_config(ROOT / "configs" / "tiers.example.yaml",
+                      {"disk_tier_dir": str(tmp_path), "cpu_tier_bytes": "512MiB"})
+    assert cfg.kv_tiers == "cpu,disk,s3" and cfg.cpu_tier_bytes == 512 << 20
+    tiers = build_config(**cfg.engine_kwargs()).kv_tiers
+    assert tiers.tiers == ("cpu", "disk", "s3") and tiers.cpu_bytes == 512 << 20
+    assert tiers.disk_dir == str(tmp_path) and tiers.s3_bucket == cfg.s3_bucket
+    assert build_config(**ServerConfig().engine_kwargs()).kv_tiers is None
+
+
+def test_default_hints_are_the_headers_they_stand_in_for():
+    cfg = ServerConfig(default_slo_class="batch", default_slo_ttft_ms=250.0)
+    assert cfg.default_hint_headers() == {"X-SLO-Class": "batch", "X-SLO-TTFT-Ms": "250.0"}
+    assert ServerConfig().default_hint_headers() == {}
