@@ -535,11 +535,17 @@ def run_slo(args, tmp: Path, endpoint: str) -> tuple[list[SloSample], dict]:
 def slo_sequence(engines: dict[str, LLM], classes: list[str], prompts: list[list[int]],
                  refs: list[int], args) -> list[SloSample]:
     """Each request in both modes, the modes taking turns going first (a machine that slows
-    down mid-run slows both alike)."""
+    down mid-run slows both alike). Before each, both engines' tier writes are flushed: the
+    engines share two cores, and one's background writes (disk fsyncs, S3 uploads through the
+    weed process) would slow the other's timed step. A request's own writes start after its
+    first token, so they are never inside its TTFT."""
     samples = []
     for i, (cls, prompt) in enumerate(zip(classes, prompts)):
         order = SLO_MODES if i % 2 == 0 else SLO_MODES[::-1]
         for mode in order:
+            for llm in engines.values():
+                if not llm.engine.tier_io.manager.flush(60):
+                    raise RuntimeError("tier writes not flushed within 60 s")
             s = slo_timed(engines[mode], mode, i, cls, prompt, refs[i], args)
             samples.append(s)
             log(f"  {i + 1:2d}/{len(classes)} {cls:11s} {mode:6s} {s.ttft_s * 1e3:7.1f} ms  "
@@ -631,7 +637,7 @@ def plot_slo(summary: dict[str, dict], path: str, budget_ms: float, title: str) 
                         bar.get_height()), textcoords="offset points", xytext=(0, 3),
                         ha="center", fontsize=8)
     for x, k in zip(xs, keys):  # every request, so a lone slow one shows
-        ax.plot([x] * summary[k]["n"], summary[k]["ttft_ms"], "k.", markersize=3)
+        ax.plot([x] * summary[k]["n"], summary[k]["ttft_ms"], "k.", markersize=4, zorder=3)
     ax.axhline(budget_ms, color="red", linestyle="--",
                label=f"interactive budget {budget_ms:.0f} ms")
     ax.set_xticks(list(xs), [k.replace("/", "\n") for k in keys])

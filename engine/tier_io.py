@@ -113,10 +113,9 @@ class TierIO:
                 c.skipped_short += 1
 
     def _fetch(self, keys: list[BlockHash], d: TierDecision) -> tuple[list[str], list[torch.Tensor]]:
-        t0 = time.monotonic()
         hit = self.manager.lookup(keys, d.load_tiers, d.max_load_blocks)
-        for name in d.load_tiers:  # the lookup asked each of them, in order
-            self.cost.observe_lookup(name, time.monotonic() - t0)
+        for name, seconds in hit.lookup_seconds.items():
+            self.cost.observe_lookup(name, seconds)
         if not hit.num_blocks:
             return [], []
         handle = self.manager.start_load(hit)
@@ -129,11 +128,12 @@ class TierIO:
             self.counters.abandoned += 1
             log.info("KV load of %d blocks ran past its deadline (%.2f s); recomputing the rest",
                      hit.num_blocks, limit)
-        self._observe_load(hit.sources[:len(blocks)], blocks, time.monotonic() - t0)
+        self._observe_load(hit.sources[:len(blocks)], handle.seconds or limit)
         return list(hit.sources[:len(blocks)]), blocks
 
-    def _observe_load(self, sources, blocks: list[torch.Tensor], seconds: float) -> None:
-        """Bandwidth per source tier (a load from several tiers charges each the whole time)."""
+    def _observe_load(self, sources, seconds: float) -> None:
+        """Read rate per source tier, lookup excluded (a load from several tiers charges each
+        the whole time)."""
         for name in set(sources):
             n = sum(s == name for s in sources)
             self.cost.observe_load(name, n * self.manager.layout.block_bytes, seconds)
@@ -191,7 +191,9 @@ class TierIO:
             sources, blocks, ids = [], [], []
         self.demote_evicted()  # before the writes below reuse evicted blocks
         if blocks:
+            t0 = time.monotonic()
             self.runner.write_blocks(ids, torch.stack(blocks))
+            self.cost.observe_copy_in(len(blocks), time.monotonic() - t0)
         if req.num_preemptions == 0:  # usage counts the first admission's hits only
             for name in sources:
                 req.tier_hit_tokens[name] = req.tier_hit_tokens.get(name, 0) + self.block_size

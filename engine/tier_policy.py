@@ -67,14 +67,16 @@ class Ewma:
 
 class CostModel:
     """Per tier: the time to find blocks (lookup latency) and to read them (bandwidth), from real
-    loads; the engine's prefill throughput from real steps. Updated from the fetch and step
-    threads, read at admission: a lock keeps each update whole."""
+    loads; for every tier alike, the time to copy a loaded block into the device cache; the
+    engine's prefill throughput from real steps. Updated from the fetch and step threads, read at
+    admission: a lock keeps each update whole."""
 
     def __init__(self, block_bytes: int, block_size: int, alpha: float = 0.3,
                  prefill_tokens_per_s: float = 1000.0):
         self.block_bytes, self.block_size, self.alpha = block_bytes, block_size, alpha
         self._lookup: dict[str, Ewma] = {}
         self._bandwidth: dict[str, Ewma] = {}
+        self._copy_in = Ewma(alpha, 0.0)
         self._prefill = Ewma(alpha, prefill_tokens_per_s)
         self._lock = threading.Lock()
 
@@ -83,23 +85,35 @@ class CostModel:
             self._lookup.setdefault(tier, Ewma(self.alpha)).add(seconds)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A tier's payload reads (lookup excluded): nbytes in seconds."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
             self._bandwidth.setdefault(tier, Ewma(self.alpha)).add(nbytes / seconds)
+
+    def observe_copy_in(self, blocks: int, seconds: float) -> None:
+        """Loaded blocks written into the device cache (the step thread's share of a load)."""
+        if blocks > 0:
+            with self._lock:
+                self._copy_in.add(seconds / blocks)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self._prefill.add(tokens / seconds)
 
-    def load_seconds(self, tier: str, blocks: int) -> float | None:
-        """Expected time to look up and read `blocks` blocks (None: never measured)."""
+    def load_seconds(self, tier: str, blocks: int) -> tuple[float, bool] | None:
+        """(expected time to look up, read and copy in `blocks` blocks, whether the read rate
+        was measured), or None before the tier's first lookup. Without a measured rate the
+        estimate is a lower bound: the lookup and the copy-in only."""
         with self._lock:
             lookup, bw = self._lookup.get(tier), self._bandwidth.get(tier)
-            if lookup is None or bw is None or bw.value is None:
+            if lookup is None:
                 return None
-            return lookup.value + blocks * self.block_bytes / bw.value
+            est = lookup.value + blocks * self._copy_in.value
+            if bw is None:
+                return est, False
+            return est + blocks * self.block_bytes / bw.value, True
 
     def recompute_seconds(self, blocks: int) -> float:
         with self._lock:
@@ -108,6 +122,7 @@ class CostModel:
     def snapshot(self) -> dict:
         with self._lock:
             return {"prefill_tokens_per_s": self._prefill.value,
+                    "copy_in_s_per_block": self._copy_in.value,
                     "lookup_s": {k: v.value for k, v in self._lookup.items()},
                     "bandwidth_bytes_per_s": {k: v.value for k, v in self._bandwidth.items()}}
 
@@ -156,14 +171,15 @@ class TierPolicy:
         tokens = blocks * self.block_size
         if not t.local and tokens < self.remote_min_tokens:
             return "short prompt", f"{tokens} tokens < {self.remote_min_tokens}"
-        est = self.cost.load_seconds(t.name, blocks)
-        if est is None:  # never measured: try it, the load itself measures it
+        known = self.cost.load_seconds(t.name, blocks)
+        if known is None:  # never looked up: try it, the load itself measures it
             return None
+        est, complete = known
         if deadline is not None and now + est > deadline:
             left = max(0.0, deadline - now)
             return "budget", f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
         recompute = self.cost.recompute_seconds(blocks)
-        if est >= recompute:
+        if complete and est >= recompute:
             return "cost", f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
         return None
 

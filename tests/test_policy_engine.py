@@ -73,7 +73,7 @@ def test_store_filters_and_budgets_hold_in_the_tiers(tmp_path, weed, s3_creds, p
 
 def test_the_cost_model_skips_a_slow_s3_for_interactive_and_recovers(weed, s3_creds, prompt,
                                                                       cold):
-    interactive = KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=1500)
+    interactive = KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=800)
     batch = KVHints(slo_class=SloClass.BATCH)
     with delay_proxy(weed.endpoint_url) as proxy:
         llm = LLM(kv_cache_memory_bytes=96 << 20, max_model_len=2048, kv_tiers=TierConfig(

@@ -216,3 +216,39 @@ def test_blocks_the_device_evicts_are_demoted_to_cpu(corpus_ids):
     finally:
         eng.close()
     assert evicted and evicted <= held
+
+
+def test_a_full_then_read_only_disk_tier_never_costs_a_token(tmp_path, long_prompt, cold):
+    """The disk tier on a real 20 MiB tmpfs: the prompt's 62 blocks (45 MB) do not fit, stores
+    fail as no_space; then the disk is remounted read-only: stores fail as read_only. Every
+    request still gets the cold tokens and loads go on from what the disk holds."""
+    import subprocess
+
+    from test_kv_tiers import tmpfs
+
+    root = tmp_path / "small"
+    with tmpfs(root, "20m") as mounted:
+        if not mounted:
+            pytest.skip("this box cannot mount a tmpfs")
+        llm = _llm(TierConfig(tiers=("disk",), disk_dir=str(root), disk_bytes=1 << 30,
+                              disk_error_backoff_s=0.2))
+        disk = llm.engine.tier_io.manager.tiers["disk"]
+        try:
+            first, again = _warm_then_from_tier(llm, long_prompt)
+            full_errors = disk.stats().errors.get("no_space", 0)
+            held = len(disk.keys())
+            subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+            time.sleep(0.3)  # past the back-off: the next store is tried, and fails
+            llm.engine.pool.reset_prefix_cache()
+            ro = llm.generate([long_prompt[:500] + long_prompt[600:]], GREEDY)[0]
+            assert llm.engine.tier_io.manager.flush(30)
+            llm.engine.pool.reset_prefix_cache()
+            after = llm.generate([long_prompt], GREEDY)[0]
+            errors = disk.stats().errors
+        finally:
+            llm.engine.close()
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == cold
+    assert full_errors >= 1 and 0 < held < PROMPT_LEN // 16
+    assert again.num_cached_tokens == held * 16  # the leading blocks that fit were served
+    assert ro.outputs[0].token_ids and errors.get("read_only", 0) >= 1
+    assert after.outputs[0].token_ids == cold and after.num_cached_tokens == held * 16

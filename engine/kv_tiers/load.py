@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -37,6 +37,8 @@ class TierHit:
     """Name of the tier that serves each block (the first tier in lookup order holding it)."""
     block_size: int
     """Tokens per block."""
+    lookup_seconds: dict[str, float] = field(default_factory=dict)
+    """Time each asked tier took to answer the lookup (a cost model's latency samples)."""
 
     @property
     def num_blocks(self) -> int:

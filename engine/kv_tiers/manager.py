@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from dataclasses import replace
 from typing import Iterable, Sequence
 
@@ -68,7 +69,7 @@ class TierManager:
         for tier in tiers:
             if tier.name in asked:
                 tier.counters.add(lookups=1, hit_blocks=sources.count(tier.name))
-        return TierHit(tuple(keys[:len(sources)]), tuple(sources), self.layout.block_size)
+        return TierHit(tuple(keys[:len(sources)]), tuple(sources), self.layout.block_size, asked)
 
     def start_load(self, hit: TierHit) -> LoadHandle:
         """Read the hit's payloads in the background (see LoadHandle)."""
@@ -146,24 +147,27 @@ class TierManager:
                              f"expected {lay.dtype} {want}")
 
 
-def _plan(keys: list[BlockHash], tiers: list[KVTier]) -> tuple[list[str], set[str]]:
-    """Source tier of each leading key, and the tiers asked. A tier's contains_prefix answer
-    is remembered as a span [start, end) of keys it holds with keys[end] absent, so a tier is
-    asked again only past what it already told: a remote tier later in the order is asked only
-    where no local tier has the block."""
+def _plan(keys: list[BlockHash], tiers: list[KVTier]) -> tuple[list[str], dict[str, float]]:
+    """Source tier of each leading key, and the seconds each asked tier took. A tier's
+    contains_prefix answer is remembered as a span [start, end) of keys it holds with keys[end]
+    absent, so a tier is asked again only past what it already told: a remote tier later in the
+    order is asked only where no local tier has the block."""
     spans: dict[str, tuple[int, int]] = {}
+    seconds: dict[str, float] = {}
     sources: list[str] = []
     for i in range(len(keys)):
         for tier in tiers:
             span = spans.get(tier.name)
             if span is None or i > span[1]:  # nothing known about keys[i] yet: ask
+                t0 = time.perf_counter()
                 span = spans[tier.name] = (i, i + _contains(tier, keys[i:]))
+                seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - t0
             if i < span[1]:
                 sources.append(tier.name)
                 break
         else:
             break
-    return sources, set(spans)
+    return sources, seconds
 
 
 def _contains(tier: KVTier, keys: list[BlockHash]) -> int:
