@@ -77,8 +77,9 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = 2 << 30
-    """Memory for the device KV cache; the block count follows from it."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the device KV cache; the block count follows from it. None: 1 GiB on the CPU;
+    on a GPU, what gpu_memory_utilization leaves after the weights and a profiled step."""
     num_blocks: int | None = None
     """Exact block count; overrides kv_cache_memory_bytes when set."""
     enable_prefix_caching: bool = True
@@ -107,15 +108,19 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     """Model name (an embedded alias), a .gguf file or a Hugging Face directory."""
-    dtype: str = "float32"
-    """Compute dtype of weights and activations."""
+    dtype: str = "auto"
+    """Compute dtype of weights and activations: auto (bfloat16 on CUDA capability >= 8.0,
+    float16 on older GPUs, float32 on the CPU), float32, float16 or bfloat16."""
     kv_cache_dtype: str = "auto"
     """KV cache dtype: 'auto' (the compute dtype), float32, float16 (fp16), bfloat16 (bf16) or
     fp8_e4m3 (one byte per value, stored as x / kv_cache_scale; halves KV bytes everywhere)."""
     kv_cache_scale: float = 1.0
     """Dequantization scale of an fp8_e4m3 KV cache (ignored for other KV dtypes)."""
-    device: str = "cpu"
-    """Torch device."""
+    device: str = "auto"
+    """auto (cuda:0 when torch sees a GPU, else cpu), cpu, cuda or cuda:N (engine.device)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's total memory this engine may use (weights, activations, KV cache);
+    sizes the KV cache when kv_cache_memory_bytes is None. Ignored on the CPU."""
     seed: int = 0
     """Seed of the sampler for requests without a seed of their own."""
     attention_backend: str | None = None

@@ -5,6 +5,7 @@ Not thread-safe: one thread owns it (the offline LLM, or the async engine's loop
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from tierserve.engine.block_hash import fingerprint
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.loaders import load_model_source
@@ -78,25 +80,40 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         set_omp_env()
         self.num_threads = configure_threads(config.num_threads)
+        # Resolve auto before the model loads, so a missing GPU fails fast.
+        self.device_choice, self.dtype_choice = detect(config.device, config.dtype)
+        config = dataclasses.replace(config, device=self.device_choice.device,
+                                     dtype=self.dtype_choice.dtype)
+        log.info("device: %s (%s); dtype: %s (%s)", config.device, self.device_choice.reason,
+                 config.dtype, self.dtype_choice.reason)
         self.config = config
         src = load_model_source(config.model)
         self.model_config = src.config
         self.tokenizer = TextTokenizer(src.tokenizer)
         self.model_path = src.path
         bs = config.cache.block_size
-        kv_elem = kv_elem_size(config.kv_cache_dtype, config.dtype)
-        num_blocks = config.cache.num_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // (bs * src.config.kv_bytes_per_token(kv_elem)))
-        self.max_model_len = min(config.scheduler.max_model_len,
-                                 src.config.max_position_embeddings, num_blocks * bs)
+        block_bytes = bs * src.config.kv_bytes_per_token(
+            kv_elem_size(config.kv_cache_dtype, config.dtype))
+        model_len = min(config.scheduler.max_model_len, src.config.max_position_embeddings)
+        profile_gpu = (config.cache.num_blocks is None and config.cache.kv_cache_memory_bytes is None
+                       and self.device_choice.type == "cuda")
+        if profile_gpu:  # a cache just big enough for the profiling step; resized below
+            num_blocks = -(-config.scheduler.max_num_batched_tokens // bs)
+            self.max_model_len = max(model_len, config.scheduler.max_num_batched_tokens)
+        else:
+            kv_bytes = config.cache.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            num_blocks = config.cache.num_blocks or max(1, kv_bytes // block_bytes)
+            self.max_model_len = min(model_len, num_blocks * bs)
         # Everything that changes a block's KV bytes: the model file, dtypes, the fp8 scale, the
         # block size and the layer count. The tiers share blocks across processes by this key.
         self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype,
                                        config.kv_cache_scale, bs, src.config.num_layers)
-        self.pool = BlockPool(num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len)
         del src
+        if profile_gpu:
+            num_blocks = self._size_gpu_cache(block_bytes, model_len)
+        self.pool = BlockPool(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
         self.default_hints = NO_HINTS
         """Hints for requests that send none (the server's YAML defaults)."""
@@ -106,6 +123,21 @@ class LLMEngine:
                  "max_model_len %d, backend %s, %d threads", config.model,
                  self.model_config.num_layers, num_blocks, bs, self.runner.kv_bytes / 2**20,
                  self.max_model_len, self.runner.backend.name, self.num_threads)
+
+    def _size_gpu_cache(self, block_bytes: int, model_len: int) -> int:
+        """Profile a full step, then give the KV cache what gpu_memory_utilization leaves."""
+        kv_bytes = measure_gpu_kv_bytes(self.runner, self.config.gpu_memory_utilization)
+        num_blocks = kv_bytes // block_bytes
+        if num_blocks < 1:
+            raise DeviceError(f"KV cache of {kv_bytes} bytes holds no block of {block_bytes} bytes; "
+                              "raise --gpu-memory-utilization")
+        bs = self.config.cache.block_size
+        self.max_model_len = min(model_len, num_blocks * bs)
+        self.runner.allocate_kv(num_blocks, self.max_model_len)
+        log.info("GPU KV cache: %.0f MiB (gpu_memory_utilization %g): %d blocks, %d tokens",
+                 kv_bytes / 2**20, self.config.gpu_memory_utilization, num_blocks,
+                 num_blocks * bs)
+        return num_blocks
 
     def _tiers(self, config: EngineConfig) -> TierIO:
         manager = TierManager(config.kv_tiers, self.fingerprint, self.runner.block_shape,

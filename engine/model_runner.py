@@ -12,9 +12,10 @@ import torch
 
 from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.models import model_class
-from tierserve.engine.request import RequestId
+from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
-from tierserve.engine.scheduler import SchedulerOutput
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
 from tierserve.kernels.composite import PhaseSplit
 from tierserve.kernels.kv_dtype import kv_torch_dtype
@@ -48,20 +49,44 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = self._build_model(weights)
         self.routes, self.backend = self._choose_backend()
-        slots = num_blocks * self.block_size
-        self.kv_caches = [torch.zeros(2, model_cfg.num_kv_heads, slots, model_cfg.head_dim,
-                                      dtype=self.kv_dtype, device=self.device)
-                          for _ in range(model_cfg.num_layers)]
         sc = config.scheduler
         # Fixed-capacity host buffers; each step uses views as wide as its batch.
         self._tokens = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
         self._positions = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
-        self._tables = torch.zeros(sc.max_num_seqs, -(-max_model_len // self.block_size),
-                                   dtype=torch.long)
+        self.allocate_kv(num_blocks, max_model_len)
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
+
+    def allocate_kv(self, num_blocks: int, max_model_len: int) -> None:
+        """(Re)allocate the KV cache and the block-table buffer. The engine calls it again on a
+        GPU once profiling has sized the cache; the model's RoPE table keeps its first length,
+        which is never shorter than max_model_len."""
+        mc = self.model_cfg
+        self.kv_caches = []  # free the old cache before the new one is allocated
+        self.num_blocks, self.max_model_len = num_blocks, max_model_len
+        slots = num_blocks * self.block_size
+        self.kv_caches = [torch.zeros(2, mc.num_kv_heads, slots, mc.head_dim,
+                                      dtype=self.kv_dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+        self._tables = torch.zeros(self.config.scheduler.max_num_seqs,
+                                   -(-max_model_len // self.block_size), dtype=torch.long)
+
+    def profile_activation_peak(self) -> int:
+        """Peak CUDA bytes allocated by one step of max_num_batched_tokens prompt tokens, above
+        what was allocated before it (weights, KV cache). Needs a cache of at least
+        ceil(max_num_batched_tokens / block_size) blocks."""
+        t = self.config.scheduler.max_num_batched_tokens
+        blocks = tuple(range(-(-t // self.block_size)))
+        req = Request(RequestId("profile"), [0] * t, SamplingParams(max_tokens=1), 1)
+        out = SchedulerOutput((ScheduledRequest(req, 0, t, blocks, True),), t)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.execute(out)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
 
     def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)

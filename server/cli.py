@@ -103,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    llm = LLM(model=args.model)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     print(llm.generate([args.text], params)[0].outputs[0].text)
     return 0
@@ -192,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="print one completion of TEXT (offline engine)")
     gen.add_argument("text")
     gen.add_argument("--model", default=ServerConfig.model)
+    gen.add_argument("--device", default=ServerConfig.device,
+                     help="auto (a GPU when torch sees one), cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default=ServerConfig.dtype,
+                     help="auto (bfloat16/float16 on a GPU, float32 on the CPU), float32, "
+                     "float16 or bfloat16")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--log-level", default="warning",
@@ -212,12 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tierserve.engine.device import DeviceError
     from tierserve.engine.loaders import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelLoadError as e:  # a wrong path, a truncated file...: one line, no traceback
+    except (ModelLoadError, DeviceError) as e:  # a wrong path, no GPU...: one line, no traceback
         print(f"tierserve: error: {e}", file=sys.stderr)
         return 2
 

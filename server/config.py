@@ -34,14 +34,21 @@ class ServerConfig:
     """Requests running at once in the engine."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step."""
-    kv_cache_memory_bytes: int = 1 << 30
-    """Memory for the KV cache (accepts suffixes: 512MiB, 2GiB)."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV cache (accepts suffixes: 512MiB, 2GiB); unset: 1 GiB on the CPU, on a GPU
+    what --gpu-memory-utilization leaves after the weights and a profiled step."""
     block_size: int = 16
     """Tokens per KV block."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes."""
-    dtype: str = "float32"
-    """Compute dtype."""
+    device: str = "auto"
+    """auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:N."""
+    dtype: str = "auto"
+    """Compute dtype: auto (bfloat16 on GPUs of capability >= 8.0, float16 on older ones, float32
+    on the CPU), float32, float16 or bfloat16."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory tierserve may use; the KV cache gets what the weights and
+    activations leave (ignored on the CPU or when kv_cache_memory_bytes is set)."""
     kv_cache_dtype: str = "auto"
     """KV cache dtype: auto (the compute dtype), float16, bfloat16 or fp8_e4m3."""
     kv_cache_scale: float = 1.0
@@ -104,7 +111,8 @@ class ServerConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """Flat keyword arguments for engine.llm.build_config."""
         keys = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "dtype",
+                "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "device", "dtype",
+                "gpu_memory_utilization",
                 "kv_cache_dtype", "kv_cache_scale", "attention_backend", "backend_profile",
                 "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region")
@@ -130,6 +138,6 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerCon
     if unknown:
         raise ValueError(f"unknown settings {sorted(unknown)}; valid: {sorted(FIELDS)}")
     for key in BYTE_FIELDS:
-        if key in values:
+        if values.get(key) is not None:
             values[key] = parse_bytes(values[key])
     return ServerConfig(**values)

@@ -288,9 +288,10 @@ def hashes_by_medium(events) -> dict[str, list[str]]:
     return out
 
 
-def covers(n: int):
+def covers(n: int, removed: int = 0):
     return lambda evs: all(len(v) >= n for v in hashes_by_medium(evs).values()) and \
-        len(hashes_by_medium(evs)) == 2
+        len(hashes_by_medium(evs)) == 2 and \
+        sum(len(e["block_hashes"]) for _, e in evs if e["type"] == "BlockRemoved") >= removed
 
 
 def complete(server, prompt: list[int]) -> None:
@@ -301,8 +302,9 @@ def complete(server, prompt: list[int]) -> None:
 
 def test_server_streams_block_stored_for_both_tiers_and_resumes_by_seq(tmp_path):
     first, second = list(range(1000, 1100)), list(range(2000, 2070))
+    # a cpu tier of 8 blocks: the second request's 4 blocks evict 2 of the first's 6
     with run_server(tmp_path, "--kv-tiers", "cpu,disk", "--disk-tier-dir",
-                    str(tmp_path / "kv")) as server:
+                    str(tmp_path / "kv"), "--cpu-tier-bytes", str(8 * 737_280)) as server:
         url = server.v1 + "/kv/events"
         complete(server, first)
         events = read_events(url + "?since=0", covers(6))  # 100 tokens: 6 full blocks
@@ -317,10 +319,13 @@ def test_server_streams_block_stored_for_both_tiers_and_resumes_by_seq(tmp_path)
 
         last = events[-1][0]
         complete(server, second)  # 70 tokens: 4 more blocks
-        more = read_events(f"{url}?since={last}", covers(4))
+        more = read_events(f"{url}?since={last}", covers(4, removed=2))
         assert [s for s, _ in more] == list(range(last + 1, last + 1 + len(more)))
         want2 = [k.hex() for k in chain(second, 16, fp)]
         assert hashes_by_medium(more) == {"CPU": want2, "STORAGE": want2}
+        removed = [h for _, e in more if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+        assert len(removed) == 2 and set(removed) <= set(want)
+        assert {e["medium"] for _, e in more if e["type"] == "BlockRemoved"} == {"CPU"}
         # an EventSource's reconnect header wins over the query
         again = read_events(url + "?since=0", lambda evs: True,
                             headers={"Last-Event-ID": str(last)})

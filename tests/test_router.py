@@ -117,14 +117,19 @@ def test_route_cli_json(capsys):
 
 
 def test_backends_endpoint():
+    from tierserve.engine.device import DeviceChoice, DtypeChoice
     from tierserve.server.routes import backends
     routes = route_phases(q("cpu", None, F32, 64, 9, 3, "fp8_e4m3"))
     runner = SimpleNamespace(backend=SimpleNamespace(name="torch_sdpa"), routes=routes,
                              kv_dtype=torch.float8_e4m3fn)
     app = FastAPI()
-    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(runner=runner)))
+    engine = SimpleNamespace(runner=runner, device_choice=DeviceChoice("cpu", "auto: no GPU"),
+                             dtype_choice=DtypeChoice("float32", "auto: float32 on the CPU"))
+    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(engine=engine))
     app.include_router(backends.router)
     body = TestClient(app).get("/v1/backends").json()
+    assert (body["device"], body["device_reason"]) == ("cpu", "auto: no GPU")
+    assert (body["dtype"], body["dtype_reason"]) == ("float32", "auto: float32 on the CPU")
     assert body["kv_cache_dtype"] == "float8_e4m3fn"
     assert body["decode"]["backend"] == "torch_sdpa"
     assert body["decode"]["rejected"]["cpu_native"].startswith("KV dtype fp8_e4m3")

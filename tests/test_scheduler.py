@@ -92,3 +92,28 @@ def test_abort_in_any_state_frees_blocks():
     assert s.pool.num_free < 8
     s.finish_requests([RequestId("run"), RequestId("wait")], RequestStatus.FINISHED_ABORTED)
     assert s.num_unfinished == 0 and s.pool.num_free == 8
+
+
+def test_interactive_requests_are_admitted_before_batch_and_priority_wins():
+    from tierserve.engine.kv_hints import KVHints, SloClass
+
+    def hinted(rid, cls, t, priority=0):
+        r = req(rid, 4, t=t, priority=priority, base=100 * t)
+        r.hints = KVHints(slo_class=cls)
+        return r
+
+    s = make(max_num_seqs=1)
+    for r in (hinted("batch", SloClass.BATCH, 0), hinted("plain", None, 1),
+              hinted("inter", SloClass.INTERACTIVE, 2)):
+        s.add_request(r)
+    order = []
+    while s.num_unfinished:
+        out = run_step(s)
+        order += [x.request.request_id for x in out.scheduled if x.start == 0]
+    assert order == ["inter", "plain", "batch"]  # fcfs within a class, classes first
+
+    p = make(max_num_seqs=1, policy="priority")
+    p.add_request(hinted("inter", SloClass.INTERACTIVE, 0, priority=5))
+    p.add_request(hinted("batch", SloClass.BATCH, 1, priority=0))
+    out = run_step(p)
+    assert [x.request.request_id for x in out.scheduled] == ["batch"]  # the body's priority wins

@@ -1,4 +1,5 @@
-"""GET /v1/backends: the attention backend chosen per phase at start-up, and why."""
+"""GET /v1/backends: the device, dtype and attention backend per phase chosen at start-up, and
+why."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ router = APIRouter()
 
 @router.get("/v1/backends")
 async def backends(request: Request) -> dict:
-    runner = context(request).engine.engine.runner
+    engine = context(request).engine.engine
+    runner = engine.runner
     return {"object": "backends", "backend": runner.backend.name,
+            "device": engine.device_choice.device, "device_reason": engine.device_choice.reason,
+            "dtype": engine.dtype_choice.dtype, "dtype_reason": engine.dtype_choice.reason,
             "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
             **{phase: r.to_json() for phase, r in runner.routes.items()}}
