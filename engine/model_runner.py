@@ -181,7 +181,8 @@ class ModelRunner:
         if not sample_rows:
             return StepResult({}, {}, prompt_lps)
         idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows], device=dev)
-        logits = self.model.compute_logits(hidden[idx]).cpu()  # the sampler runs on the host
+        # The sampler runs where the logits are; only token ids (and asked logprobs) come back.
+        logits = self.model.compute_logits(hidden[idx]).float()
         reqs = [out.scheduled[i].request for i in sample_rows]
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           self._stop_ids(r.params)) for r in reqs]
