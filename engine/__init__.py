@@ -5,7 +5,7 @@ them (or this package) must not pull torch in."""
 
 from __future__ import annotations
 
-import importlib
+from tierserve._lazy import lazy_getattr
 
 from tierserve.engine.env import set_omp_env
 
@@ -26,8 +26,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tierserve.engine' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

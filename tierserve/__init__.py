@@ -10,7 +10,7 @@ torch-free scheduler and block pool under it) does not import torch:
 
 from __future__ import annotations
 
-import importlib
+from tierserve._lazy import lazy_getattr
 import os
 
 __version__ = "0.1.0"
@@ -36,8 +36,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tierserve' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

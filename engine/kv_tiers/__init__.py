@@ -6,7 +6,7 @@ importing them (or this package) must pull in neither torch nor boto3.
 
 from __future__ import annotations
 
-import importlib
+from tierserve._lazy import lazy_getattr
 
 _LAZY = {
     "TierConfig": "tierserve.engine.kv_tiers.config",
@@ -29,8 +29,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tierserve.engine.kv_tiers' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
