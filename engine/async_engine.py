@@ -65,6 +65,11 @@ class EngineSnapshot:
     steps: int = 0
     num_preemptions: int = 0
     iteration_tokens: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    table_width: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    metadata_bytes: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    metadata_seconds: float = 0.0
+    sparse: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
+    """Sparse decode: steps, blocks attended, blocks dense would read, selection seconds."""
     """Tokens per step as (bucket bounds, counts per bucket, sum)."""
 
 
@@ -340,12 +345,19 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self.engine
         st, pool, sch = e.stats, e.pool, e.scheduler
-        it = st.iteration_tokens
+        sp = e.runner.sparse.stats
         self.snapshot = EngineSnapshot(len(sch.running), len(sch.waiting), pool.num_blocks,
                                        pool.num_free, pool.usage, pool.queries, pool.hits,
                                        st.prompt_tokens, st.generation_tokens, st.steps,
-                                       sch.num_preemptions,
-                                       (it.bounds, tuple(it.counts), it.total))
+                                       sch.num_preemptions, _hist(st.iteration_tokens),
+                                       _hist(st.table_width), _hist(st.metadata_bytes),
+                                       st.metadata_seconds,
+                                       (sp.steps, sp.blocks_attended, sp.blocks_total,
+                                        sp.selection_seconds))
+
+
+def _hist(b) -> tuple[tuple[float, ...], tuple[int, ...], float]:
+    return b.bounds, tuple(b.counts), b.total
 
 
 def _put_all(stream: GroupStream, items: list) -> None:

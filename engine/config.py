@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -103,6 +104,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SparseConfig:
+    """Sparse top-k decode attention (Quest-style block selection; docs/sparse.md). Off unless
+    topk_blocks or topk_ratio is set."""
+
+    topk_blocks: int | None = None
+    """KV blocks each decode query attends per KV head, the first and newest included."""
+    topk_ratio: float | None = None
+    """Or a fraction of the sequence's blocks (rounded up); topk_blocks wins when both are set."""
+    min_context: int = 1024
+    """Sequences with fewer context tokens attend densely."""
+    dense_layers: int = 2
+    """The first layers stay dense, as Quest does."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.topk_blocks is not None or self.topk_ratio is not None
+
+    def topk(self, context_len: int, block_size: int) -> int:
+        """Blocks this sequence attends, or 0 for dense (short context, or K covers every block)."""
+        blocks = -(-context_len // block_size)
+        if not self.enabled or context_len < self.min_context:
+            return 0
+        k = self.topk_blocks if self.topk_blocks is not None else math.ceil(self.topk_ratio * blocks)
+        k = max(2, k)  # the first and the newest block are always kept
+        return 0 if k >= blocks else k
+
+    def validate(self) -> None:
+        if self.topk_blocks is not None and self.topk_blocks < 2:
+            raise ValueError(f"sparse topk_blocks must be >= 2 (the first and newest block are "
+                             f"always attended); got {self.topk_blocks}")
+        if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"sparse topk_ratio must be in (0, 1]; got {self.topk_ratio}")
+        if self.min_context < 0 or self.dense_layers < 0:
+            raise ValueError("sparse min_context and dense_layers must be >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built from flags, YAML or keyword arguments."""
 
@@ -134,6 +172,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_tiers: TierConfig | None = None
     """KV tiers below the device cache (cpu, disk, s3); None: the device cache alone."""
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    """Sparse top-k decode attention (off by default)."""
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)

@@ -32,6 +32,8 @@ class KVHints:
     """At most this many prompt tokens loaded from the tiers (0 turns loading off)."""
     max_offload_tokens: int | None = None
     """At most this many of the request's tokens stored to the tiers (0 turns storing off)."""
+    sparse_attention: bool | None = None
+    """Sparse top-k decode on (True) or off (False) for this request; None: the server's setting."""
 
     @property
     def empty(self) -> bool:

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Sequence
 
-from tierserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from tierserve.engine.config import (CacheConfig, EngineConfig, SchedulerConfig, SparseConfig,
+                                     parse_bytes)
 from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.llm_engine import LLMEngine
@@ -23,6 +24,10 @@ TIER_ARGS = {"cpu_tier_bytes": "cpu_bytes", "disk_tier_dir": "disk_dir",
              "disk_tier_bytes": "disk_bytes", "s3_bucket": "s3_bucket", "s3_prefix": "s3_prefix",
              "s3_endpoint_url": "s3_endpoint_url", "s3_region": "s3_region"}
 
+# The flat names of the sparse decode settings -> SparseConfig fields.
+SPARSE_ARGS = {"sparse_topk_blocks": "topk_blocks", "sparse_topk_ratio": "topk_ratio",
+               "sparse_min_context": "min_context", "sparse_dense_layers": "dense_layers"}
+
 
 def build_config(**kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., ...)."""
@@ -30,13 +35,19 @@ def build_config(**kwargs) -> EngineConfig:
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_FIELDS}
     tiers = _tier_config(kwargs.pop("kv_tiers", None),
                          {TIER_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in TIER_ARGS})
-    valid = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_tiers"}
+    flat = {SPARSE_ARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in SPARSE_ARGS}
+    sparse = {k: v for k, v in flat.items() if v is not None}
+    if isinstance(kwargs.get("sparse"), SparseConfig):
+        sparse = {**dataclasses.asdict(kwargs.pop("sparse")), **sparse}
+    valid = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_tiers", "sparse"}
     unknown = set(kwargs) - valid
     if unknown:
         raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: "
-                        f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS | set(TIER_ARGS))}")
+                        f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS | set(TIER_ARGS) | set(SPARSE_ARGS))}")
+    sparse_cfg = SparseConfig(**sparse)
+    sparse_cfg.validate()
     return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
-                        kv_tiers=tiers, **kwargs)
+                        kv_tiers=tiers, sparse=sparse_cfg, **kwargs)
 
 
 def _tier_config(names: str | Sequence[str] | TierConfig | None, values: dict) -> TierConfig | None:

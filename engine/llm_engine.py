@@ -44,9 +44,17 @@ class EngineStats:
     finished_requests: int = 0
     iteration_tokens: BucketCounts = field(default_factory=lambda: BucketCounts(ITERATION_BUCKETS))
     """Tokens run per step (vllm:iteration_tokens_total)."""
+    table_width: BucketCounts = field(default_factory=lambda: BucketCounts(WIDTH_BUCKETS))
+    """Block-table width per step, in blocks (a power of two, engine.batch_buffers)."""
+    metadata_bytes: BucketCounts = field(default_factory=lambda: BucketCounts(BYTES_BUCKETS))
+    """Bytes of metadata views per step."""
+    metadata_seconds: float = 0.0
+    """Time spent building step inputs and backend metadata."""
 
 
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+WIDTH_BUCKETS = tuple(1 << i for i in range(3, 15))
+BYTES_BUCKETS = tuple(1 << i for i in range(8, 25, 2))
 
 
 @dataclass
@@ -221,6 +229,9 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.computed_tokens += out.num_batched_tokens
         self.stats.iteration_tokens.observe(out.num_batched_tokens)
+        self.stats.table_width.observe(result.table_width)
+        self.stats.metadata_bytes.observe(result.metadata_bytes)
+        self.stats.metadata_seconds += result.metadata_seconds
         now = time.monotonic()
         if tiers is not None:
             tiers.observe_step(out.num_batched_tokens, now - started)

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tierserve.engine.batch_buffers import BatchBuffers
 from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.models import model_class
 from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tierserve.engine.sparse import SparseDecoder
 from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
 from tierserve.kernels.composite import PhaseSplit
 from tierserve.kernels.kv_dtype import kv_torch_dtype
@@ -34,6 +37,12 @@ class StepResult:
     logprobs: dict[RequestId, TopLogprobs]
     prompt_logprobs: dict[RequestId, list[TopLogprobs]]
     """Per request, logprobs of prompt tokens computed this step, in position order."""
+    table_width: int = 0
+    """Width of this step's block-table view, in blocks (engine.batch_buffers)."""
+    metadata_bytes: int = 0
+    """Bytes of the step's metadata views: block tables, slots, context lengths, sparse picks."""
+    metadata_seconds: float = 0.0
+    """Time to build the step's inputs and the backend's metadata."""
 
 
 class ModelRunner:
@@ -49,12 +58,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = self._build_model(weights)
         self.routes, self.backend = self._choose_backend()
-        sc = config.scheduler
-        # Fixed-capacity host buffers; each step uses views as wide as its batch.
-        self._tokens = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
-        self._positions = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long)
-        self.allocate_kv(num_blocks, max_model_len)
+        if config.sparse.enabled and not self.backend.capabilities.sparse:
+            log.warning("sparse decode is on, but the decode backend %s cannot run it: decodes "
+                        "attend densely (see `tierserve route`)", self.backend.name)
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self.sparse = SparseDecoder(config.sparse, model_cfg.num_layers, model_cfg.num_kv_heads,
+                                    model_cfg.head_dim, self.block_size, self.device,
+                                    self._summary_ops())
+        self.allocate_kv(num_blocks, max_model_len)
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
@@ -70,8 +81,20 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(2, mc.num_kv_heads, slots, mc.head_dim,
                                       dtype=self.kv_dtype, device=self.device)
                           for _ in range(mc.num_layers)]
-        self._tables = torch.zeros(self.config.scheduler.max_num_seqs,
-                                   -(-max_model_len // self.block_size), dtype=torch.long)
+        if self.config.sparse.enabled:
+            self.sparse.allocate(num_blocks)
+        sc = self.config.scheduler
+        # Fixed-capacity host buffers (pinned on a GPU); each step uses views as wide as its batch.
+        self.buffers = BatchBuffers(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                    -(-max_model_len // self.block_size), mc.num_kv_heads,
+                                    pin_memory=self.device.type == "cuda")
+
+    def _summary_ops(self):
+        """The native extension when it keeps block summaries for this cache, else None."""
+        ext = self.native
+        if ext is None or not hasattr(ext, "kv_summary_update_"):
+            return None
+        return ext
 
     def profile_activation_peak(self) -> int:
         """Peak CUDA bytes allocated by one step of max_num_batched_tokens prompt tokens, above
@@ -164,22 +187,33 @@ class ModelRunner:
         data = blocks.to(device=self.device, dtype=self.kv_dtype).permute(1, 2, 3, 0, 4, 5)
         for cache, layer in zip(self.kv_caches, data):
             self._blocks_view(cache).index_copy_(2, idx, layer)
+        self.sparse.rebuild(self.kv_caches, block_ids)
 
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
         layout, sample_rows = self._layout(out)
         t = out.num_batched_tokens
+        sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
+                  if self.backend.capabilities.sparse else None)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
-                             self.kv_caches)
-        dev = self.device
+                             self.kv_caches, sparse)
+        facts = dict(table_width=layout.block_tables.shape[1], metadata_seconds=time.perf_counter() - t0,
+                     metadata_bytes=BatchBuffers.nbytes(
+                         layout.block_tables, layout.slot_mapping, self.buffers.context_lens[:layout.num_seqs],
+                         *((sparse.topk, sparse.selected) if sparse else ())))
+        dev, b = self.device, self.buffers
         with forward_context(ctx):
-            hidden = self.model(self._tokens[:t].to(dev, non_blocking=True),
-                                self._positions[:t].to(dev, non_blocking=True))
+            hidden = self.model(b.tokens[:t].to(dev, non_blocking=True),
+                                b.positions[:t].to(dev, non_blocking=True))
+        self.sparse.update(self.kv_caches, layout.slot_mapping)
+        if sparse is not None:
+            self.sparse.collect()
         prompt_lps = self._prompt_logprobs(out, hidden, layout)
         if not sample_rows:
-            return StepResult({}, {}, prompt_lps)
+            return StepResult({}, {}, prompt_lps, **facts)
         idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows], device=dev)
         # The sampler runs where the logits are; only token ids (and asked logprobs) come back.
         logits = self.model.compute_logits(hidden[idx]).float()
@@ -189,34 +223,34 @@ class ModelRunner:
         res = self.sampler(logits, rows)
         sampled = {r.request_id: tok for r, tok in zip(reqs, res.token_ids)}
         lps = {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None}
-        return StepResult(sampled, lps, prompt_lps)
+        return StepResult(sampled, lps, prompt_lps, **facts)
 
     def _stop_ids(self, params) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
 
     def _layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[int]]:
-        sched = out.scheduled
-        qlens = [s.num_new_tokens for s in sched]
-        starts = [s.start for s in sched]
-        qstart = [0, *np.cumsum(qlens).tolist()]
-        t = qstart[-1]
-        tokens: list[int] = []
-        for s in sched:
-            tokens.extend(s.request.token_slice(s.start, s.start + s.num_new_tokens))
-        self._tokens[:t] = torch.tensor(tokens, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(sched)), torch.tensor(qlens))
-        pos = torch.arange(t) - torch.tensor(qstart[:-1])[seq_of_token] + torch.tensor(starts)[seq_of_token]
-        self._positions[:t] = pos
-        width = max(len(s.block_ids) for s in sched)
-        tables = self._tables[:len(sched), :width]
-        tables.zero_()
-        for i, s in enumerate(sched):
-            tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
-        bs = self.block_size
-        slots = tables[seq_of_token, pos // bs] * bs + pos % bs
-        num_decodes = next((i for i, q in enumerate(qlens) if q != 1), len(qlens))
-        layout = BatchLayout(num_decodes, qlens, [a + b for a, b in zip(starts, qlens)], qstart,
-                             tables, slots, bs)
+        """The step's tokens, positions, slots and block tables, written into the fixed buffers
+        (numpy views of their memory: no tensor is allocated)."""
+        sched, buf, bs = out.scheduled, self.buffers, self.block_size
+        qlens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
+        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
+        qstart = np.zeros(len(sched) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qstart[1:])
+        t = int(qstart[-1])
+        tokens = buf.tokens.numpy()
+        for s, a in zip(sched, qstart.tolist()):
+            tokens[a:a + s.num_new_tokens] = s.request.token_slice(s.start, s.start + s.num_new_tokens)
+        tables = buf.table_view([s.block_ids for s in sched])
+        seq = np.repeat(np.arange(len(sched)), qlens)
+        pos = buf.positions.numpy()[:t]
+        np.add(np.arange(t) - qstart[:-1][seq], starts[seq], out=pos)
+        slots = buf.slot_mapping.numpy()[:t]
+        np.add(tables.numpy()[seq, pos // bs] * bs, pos % bs, out=slots)
+        ctx_lens = starts + qlens
+        buf.context_lens.numpy()[:len(sched)] = ctx_lens
+        num_decodes = next((i for i, q in enumerate(qlens.tolist()) if q != 1), len(sched))
+        layout = BatchLayout(num_decodes, qlens.tolist(), ctx_lens.tolist(), qstart.tolist(),
+                             tables, buf.slot_mapping[:t], bs)
         return layout, [i for i, s in enumerate(sched) if s.samples]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,

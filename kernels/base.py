@@ -107,6 +107,13 @@ class AttentionBackend(ABC):
         """q [T, H, D], k/v [T, Hkv, D] of this step's tokens, already written to kv_cache.
         Returns [T, H * D]."""
 
+    def forward_sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: Any, sparse: Any, layer: int) -> torch.Tensor:
+        """forward() with the step's decodes attending only their top-k blocks
+        (kernels/sparse_plan.SparseStep). Backends whose capabilities say sparse=False never get a
+        sparse plan (the runner checks), so the default attends densely."""
+        return self.forward(q, k, v, kv_cache, meta)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Store this step's K and V at their slots, quantizing for an fp8 cache."""

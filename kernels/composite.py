@@ -45,3 +45,15 @@ class PhaseSplit(AttentionBackend):
         out[:n] = self.decode.forward(q[:n], k[:n], v[:n], kv_cache, meta.decode)
         out[n:] = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, meta.prefill)
         return out
+
+    def forward_sparse(self, q, k, v, kv_cache, meta: SplitMeta, sparse, layer) -> torch.Tensor:
+        n = meta.num_decode_tokens
+        if meta.decode is None:
+            return self.prefill.forward(q, k, v, kv_cache, meta.prefill)
+        dec = self.decode.forward_sparse(q[:n], k[:n], v[:n], kv_cache, meta.decode, sparse, layer)
+        if meta.prefill is None:
+            return dec
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        out[:n] = dec
+        out[n:] = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, meta.prefill)
+        return out

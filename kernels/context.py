@@ -19,6 +19,9 @@ class ForwardContext:
     slot_mapping: torch.Tensor
     kv_caches: list[torch.Tensor]
     """One [2, Hkv, slots, D] tensor per layer."""
+    sparse: Any = None
+    """The step's sparse decode plan (kernels.sparse_plan.SparseStep), None when every layer of
+    the step attends densely."""
 
 
 _local = threading.local()

@@ -61,6 +61,7 @@ class CpuNativeBackend(TorchSdpaBackend):
         dtypes=(torch.float32,),
         kv_dtypes=("auto", "float32", "float16"),
         requires=("ninja",),
+        sparse=True,
     )
 
     def __init__(self, *args, **kwargs):
@@ -96,6 +97,21 @@ class CpuNativeBackend(TorchSdpaBackend):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if d is not None:
             out[:d.batch] = self._decode(q, kv_cache, d)
+        self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
+                                p.block_size, self.scale, out)
+        return out
+
+    def forward_sparse(self, q, k, v, kv_cache, meta, sparse, layer):
+        if not isinstance(meta, NativeMeta) or meta.decode is None:
+            return self.forward(q, k, v, kv_cache, meta)
+        d, p = meta.decode, meta.prefill
+        dec = self.ext.sparse_paged_decode(
+            q[:d.batch], kv_cache, sparse.summaries[layer], d.block_tables, d.context_lens,
+            d.block_size, self.scale, sparse.topk, sparse.selected, sparse.stats).view(d.batch, -1)
+        if p is None:
+            return dec
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        out[:d.batch] = dec
         self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
                                 p.block_size, self.scale, out)
         return out

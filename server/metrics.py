@@ -48,6 +48,22 @@ class _SnapshotCollector:
                        s.num_preemptions, lbl)
         yield _histogram("vllm:iteration_tokens_total", "Tokens run per engine step.",
                          *s.iteration_tokens, lbl)
+        yield _histogram("tierserve:block_table_width", "Block-table width per step, in blocks "
+                         "(a power of two: the width rule of engine/batch_buffers.py).",
+                         *s.table_width, lbl)
+        yield _histogram("tierserve:step_metadata_bytes", "Bytes of metadata views per step.",
+                         *s.metadata_bytes, lbl)
+        yield _counter("tierserve:step_metadata_seconds", "Time building step inputs and "
+                       "attention metadata.", s.metadata_seconds, lbl)
+        steps, attended, total, select_s = s.sparse
+        yield _counter("tierserve:sparse_decode_steps", "Steps with sparse decodes.", steps, lbl)
+        yield _counter("tierserve:sparse_blocks_attended", "KV blocks sparse decodes attended "
+                       "(per KV head and sparse layer).", attended, lbl)
+        yield _counter("tierserve:sparse_blocks_dense", "KV blocks dense attention would have "
+                       "read for the same decodes; attended / dense is the fraction attended.",
+                       total, lbl)
+        yield _counter("tierserve:sparse_selection_seconds", "Time scoring and choosing blocks "
+                       "(summed over kernel threads).", select_s, lbl)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

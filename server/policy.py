@@ -49,7 +49,8 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
                    "kv_transfer_params.kv_store_tiers", _matched(body, "kv_store_tiers", tiers))
     return KVHints(load_tiers=load, store_tiers=store, ttft_budget_ms=_budget(h),
                    slo_class=_slo_class(h), max_load_tokens=_count(body, "max_load_tokens"),
-                   max_offload_tokens=_count(body, "max_offload_tokens"))
+                   max_offload_tokens=_count(body, "max_offload_tokens"),
+                   sparse_attention=_on_off(h, "x-sparse-attention"))
 
 
 def _body(body: dict[str, Any] | None) -> dict[str, Any]:
@@ -138,6 +139,16 @@ def _budget(h: dict[str, str]) -> float | None:
         raise _header_error("x-slo-ttft-ms", f"must be a positive number of milliseconds, "
                             f"got {raw!r}")
     return ms
+
+
+def _on_off(h: dict[str, str], name: str) -> bool | None:
+    raw = h.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in ("on", "off"):
+        raise _header_error(name, f"must be on or off, got {raw!r}")
+    return value == "on"
 
 
 def _slo_class(h: dict[str, str]) -> SloClass | None:

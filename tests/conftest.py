@@ -1,9 +1,15 @@
-"""Shared fixtures: the real embedded model, loaded once per session."""
+"""Shared fixtures: the real embedded model, loaded once per session; this checkout's wheel,
+built and installed into a fresh venv once per session (test_packaging, test_docker)."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from tierserve.engine import LLM  # noqa: E402
 from tierserve.engine.loaders import resolve_path  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENS = [1, 2, 5, 17, 31, 64, 100, 128, 200, 333, 512, 700, 900, 1100, 1300, 1500]
 
 
@@ -67,3 +74,45 @@ def s3_creds(monkeypatch):
 
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)
+
+
+def _run_ok(cmd: list[str], cwd: Path) -> str:
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{cmd}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel --no-deps .` of this checkout, built with the test environment's setuptools."""
+    out = tmp_path_factory.mktemp("wheel")
+    _run_ok([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+             "-w", str(out), str(ROOT)], cwd=out)
+    (whl,) = out.glob("tierserve-*.whl")
+    return whl
+
+
+@dataclass(frozen=True)
+class WheelVenv:
+    root: Path
+    """The venv's folder (its console scripts are in bin/)."""
+    python: Path
+    """The venv's interpreter."""
+    site: Path
+    """The venv's site-packages, where the wheel installed `tierserve`."""
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(wheel, tmp_path_factory) -> WheelVenv:
+    """A fresh venv with the wheel installed --no-deps (not editable); its dependencies come from
+    the test environment's site-packages through a .pth line (offline, seconds)."""
+    venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
+    _run_ok([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=venv.parent)
+    py = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run_ok([str(py), "-c", purelib], cwd=venv.parent).strip())
+    # A plain path line: the test env's own .pth files (its editable tierserve) are not processed.
+    (site / "test_env_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run_ok([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+             "--no-index", str(wheel)], cwd=venv.parent)
+    return WheelVenv(venv, py, site)

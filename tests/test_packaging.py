@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -20,16 +19,6 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 60
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{cmd}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     return r
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """`pip wheel --no-deps .` of this checkout, built with the test environment's setuptools."""
-    out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-          "-w", str(out), str(ROOT)], cwd=out)
-    (whl,) = out.glob("tierserve-*.whl")
-    return whl
 
 
 def test_wheel_holds_one_package_and_its_data(wheel):
@@ -51,20 +40,12 @@ def test_wheel_holds_one_package_and_its_data(wheel):
 
 
 @pytest.mark.slow
-def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
-    """A fresh venv, the wheel installed --no-deps, dependencies from the test environment's
-    site-packages (a .pth line: offline, seconds). From a folder outside the checkout: import,
-    `tierserve generate` on the embedded model, and the native extension compiled from the
-    installed sources into a fresh cache."""
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
-    py = venv / "bin" / "python"
-    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=tmp_path).stdout.strip())
-    # A plain path line: the test env's own .pth files (its editable tierserve) are not processed.
-    (site / "test_env_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-          "--no-index", str(wheel)], cwd=tmp_path)
+def test_installed_wheel_runs_outside_the_checkout(wheel_venv, tmp_path):
+    """The wheel in a fresh venv (conftest's wheel_venv: installed --no-deps, dependencies from the
+    test environment's site-packages). From a folder outside the checkout: import, `tierserve
+    generate` on the embedded model, and the native extension compiled from the installed sources
+    into a fresh cache."""
+    venv, py, site = wheel_venv.root, wheel_venv.python, wheel_venv.site
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = dict(os.environ, TIERSERVE_CACHE=str(tmp_path / "cache"), OMP_WAIT_POLICY="PASSIVE")

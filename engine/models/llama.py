@@ -49,6 +49,10 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(qk[:, :self.h]), self.k_norm(qk[:, self.h:])), dim=1)
             q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
             ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
+        sparse = ctx.sparse
+        if sparse is not None and sparse.applies(self.layer):
+            return self.o_proj(ctx.backend.forward_sparse(q, k, v, cache, ctx.metadata, sparse,
+                                                          self.layer))
         return self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata))
 
 
@@ -182,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
                 or batch < self.stack_decode_min_batch):
             return None
         ctx = get_forward_context()
+        if ctx.sparse is not None and not getattr(self.ops, "decode_forward_sparse", None):
+            return None  # the one-call stack attends densely
         decode_only = getattr(ctx.backend, "decode_only", None)
         meta = decode_only(ctx.metadata) if decode_only is not None else None
         if meta is None or meta.batch != batch or not ctx.backend.plain_kv_store(ctx.kv_caches[0]):

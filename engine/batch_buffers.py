@@ -1,0 +1,91 @@
+"""The step's input and metadata buffers: allocated once at capacity, viewed as wide as the batch.
+
+Every per-step tensor the runner hands the model and the attention backends (token ids, positions,
+KV slots, block tables, context lengths, the sparse decode's selected-block indices) is a view of
+one of these buffers. Block-table views are as wide as the live batch needs, rounded so the width
+only changes at powers of two:
+
+    width = min(capacity, max(alignment, next_power_of_two(most blocks any sequence holds)))
+
+A CUDA graph or a compiled kernel captured for a width stays valid until the width crosses a power
+of two, and a batch of short requests moves 2-16x fewer metadata bytes than a capacity-wide table.
+A view [rows, width] is the first rows * width elements of the flat buffer, so it is contiguous
+(a backend needs no copy) and its row stride is `width`. Entries past a sequence's blocks hold
+PAD_BLOCK, which no kernel can take for a block (block ids are >= 0).
+
+On a GPU the host buffers are pinned, so the copies to the device are asynchronous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_BLOCK = -1
+"""Block-table padding: never a block id."""
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def active_width(longest: int, capacity: int, alignment: int) -> int:
+    """Block-table width for a batch whose longest sequence holds `longest` blocks."""
+    return min(capacity, max(alignment, next_power_of_two(longest)))
+
+
+class BatchBuffers:
+    """Host buffers for one step's inputs, sized for the worst step the config admits."""
+
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, capacity_blocks: int,
+                 num_kv_heads: int, alignment: int = 8, adaptive: bool = True,
+                 pin_memory: bool = False):
+        self.max_num_seqs = max_num_seqs
+        self.capacity = capacity_blocks
+        """Most blocks one sequence can hold (ceil(max_model_len / block_size))."""
+        self.alignment = alignment
+        """Narrowest table width, in blocks."""
+        self.adaptive = adaptive
+        """False: every view is capacity wide (the worst case; for comparison in bench/sparse.py)."""
+        self.num_kv_heads = num_kv_heads
+        self.allocations = 0
+        """Buffers allocated so far: constant after construction (the steady state allocates none)."""
+
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            self.allocations += 1
+            return torch.zeros(n, dtype=dtype, pin_memory=pin_memory)
+
+        self.tokens = buf(max_num_tokens, torch.long)
+        self.positions = buf(max_num_tokens, torch.long)
+        self.slot_mapping = buf(max_num_tokens, torch.long)
+        self.context_lens = buf(max_num_seqs, torch.long)
+        self.tables = buf(max_num_seqs * capacity_blocks, torch.long)
+        self.selected = buf(max_num_seqs * num_kv_heads * capacity_blocks, torch.int32)
+        """Sparse decode: the blocks each (sequence, KV head) attends, written by the kernel."""
+        self.topk = buf(max_num_seqs, torch.long)
+        """Sparse decode: blocks each sequence may attend (0: dense)."""
+
+    def width(self, longest: int) -> int:
+        return active_width(longest, self.capacity, self.alignment) if self.adaptive else self.capacity
+
+    def table_view(self, block_ids: list[tuple[int, ...]]) -> torch.Tensor:
+        """[len(block_ids), width] contiguous view holding each row's blocks, PAD_BLOCK after."""
+        rows = len(block_ids)
+        longest = max(len(b) for b in block_ids)
+        if longest > self.capacity:
+            raise ValueError(f"a sequence holds {longest} blocks; capacity is {self.capacity}")
+        w = self.width(longest)
+        view = self.tables[:rows * w].view(rows, w)
+        rows_np = view.numpy()  # the same memory: filled without a torch allocation
+        rows_np.fill(PAD_BLOCK)
+        for i, ids in enumerate(block_ids):
+            rows_np[i, :len(ids)] = ids
+        return view
+
+    def selected_view(self, rows: int, topk: int) -> torch.Tensor:
+        """[rows, num_kv_heads, topk] contiguous int32 view for the sparse kernel's output."""
+        k = min(topk, self.capacity)
+        return self.selected[:rows * self.num_kv_heads * k].view(rows, self.num_kv_heads, k)
+
+    @staticmethod
+    def nbytes(*views: torch.Tensor) -> int:
+        return sum(v.numel() * v.element_size() for v in views)
