@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -22,11 +24,9 @@ from tierserve.server.serving import ServerContext
 
 log = logging.getLogger(__name__)
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
-
-
-class BodyTooLarge(Exception):
-    pass
+_OPEN = ("/health", "/metrics")
+"""The only paths served without an API key (unless auth_health_metrics): probes and scrapers.
+Exact paths: anything else, /docs and unknown routes included, needs a key when keys are set."""
 
 
 class RequestGate:
@@ -34,6 +34,7 @@ class RequestGate:
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.config = app, config
+        self._digests = [_digest(k.encode()) for k in config.api_key]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -49,34 +50,62 @@ class RequestGate:
             await send(message)
 
         denied = self._deny(scope["path"], headers)
+        if denied is None and "content-length" not in headers:  # chunked: count as it comes
+            receive, denied = await self._read_body(receive)
         if denied is not None:
             return await denied(scope, receive, send_with_id)
-        limit, seen = self.config.max_body_bytes, 0
+        await self.app(scope, receive, send_with_id)
 
-        async def limited_receive():
-            nonlocal seen
+    async def _read_body(self, receive):
+        """Read a body of unknown length here, up to max_body_bytes, and replay it to the app
+        (the app's body parser would turn an error raised inside receive() into a 400). With a
+        Content-Length, the HTTP server already holds the client to it, and _deny checked it."""
+        limit, seen, messages = self.config.max_body_bytes, 0, []
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge()
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away: the app will see it
+                break
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                return receive, _too_large(limit)
+            if not message.get("more_body", False):
+                break
+        queued = iter(messages)
 
-        await self.app(scope, limited_receive, send_with_id)
+        async def replay():
+            return next(queued, None) or await receive()
+
+        return replay, None
 
     def _deny(self, path: str, headers: dict[str, str]):
-        key = self.config.api_key
-        if key and path.startswith(_PROTECTED):
+        if self._digests and (self.config.auth_health_metrics or path not in _OPEN):
             auth = headers.get("authorization", "")
-            if auth != f"Bearer {key}":
+            if not self._key_ok(auth):
                 what = "missing" if not auth else "incorrect"
                 return error_response(ApiError(
                     401, f"API key {what}: send 'Authorization: Bearer <key>'.",
-                    param=None, code="invalid_api_key"))
+                    param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.config.max_body_bytes:
             return _too_large(self.config.max_body_bytes)
         return None
+
+    def _key_ok(self, auth: str) -> bool:
+        """Compared as SHA-256 digests (equal length, so neither the key's length nor a common
+        prefix shows in the time), against every key without stopping at a match."""
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        sent = _digest(token.strip().encode("latin-1"))  # the header's bytes as they came
+        ok = False
+        for key in self._digests:
+            ok |= hmac.compare_digest(sent, key)
+        return ok
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 def _too_large(limit: int):
@@ -100,7 +129,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     app.state.ctx = ctx
     for r in (completions.router, chat.router, models.router, backends.router, kv_events.router):
         app.include_router(r)
-    _install_error_handlers(app, metrics)
+    _install_error_handlers(app, metrics, config.api_key)
     app.add_middleware(RequestGate, config=config)
     _pin_model_name(app, config.model_name)
     return app
@@ -131,33 +160,34 @@ def _pin_model_name(app: FastAPI, name: str) -> None:
     app.openapi = openapi
 
 
-def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics, keys: tuple[str, ...]) -> None:
     def count(status: int) -> None:
         metrics.http_errors.labels(metrics.model, str(status)).inc()
+
+    def reply(err: ApiError):
+        """Messages may quote what the client sent (a model name, a path): never an API key."""
+        for key in keys:
+            err.message = err.message.replace(key, "***")
+        return error_response(err)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         count(exc.status)
-        return error_response(exc)
+        return reply(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         count(400)
         message, param, code = validation_message(_plain(exc.errors()))
-        return error_response(ApiError(400, message, param=param, code=code))
+        return reply(ApiError(400, message, param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         count(exc.status_code)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         detail = exc.detail if isinstance(exc.detail, str) else "error"
-        return error_response(ApiError(exc.status_code, f"{detail}: {request.method} "
-                                       f"{request.url.path}", type_=type_, headers=exc.headers))
-
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(request: Request, exc: BodyTooLarge):
-        count(413)
-        return _too_large(app.state.ctx.config.max_body_bytes)
+        return reply(ApiError(exc.status_code, f"{detail}: {request.method} "
+                              f"{request.url.path}", type_=type_, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

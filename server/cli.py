@@ -15,7 +15,14 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import typing  # noqa: E402
 
-from tierserve.server.config import BYTE_FIELDS, FIELDS, ServerConfig, load_config  # noqa: E402
+from tierserve.server.config import (BYTE_FIELDS, ENV_PREFIX, FIELDS, ServerConfig,  # noqa: E402
+                                     load_config, split_keys)
+
+log = logging.getLogger("tierserve.server.cli")
+
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+"""Variables whose values never reach a log line, with the API keys (configured or in
+TIERSERVE_API_KEY)."""
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -27,6 +34,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         doc = _field_doc(name)
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+            continue
+        if typing.get_origin(kind) is tuple:  # api_key: repeatable, each may be a comma list
+            p.add_argument(flag, action="append", default=None, metavar="KEY", help=doc)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         conv = str if name in BYTE_FIELDS else base
@@ -56,6 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    secrets = _secrets(config)
+    redact_log_output(secrets)
+    log.info("settings: %s", config.describe())
     import uvicorn
 
     from tierserve.engine.async_engine import AsyncEngine
@@ -75,10 +88,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
                                timeout_graceful_shutdown=int(config.drain_timeout_s))
+    redact_log_output(secrets)  # uvicorn.Config set up its own handlers
     server = _draining_server(uv_config, engine)
     server.run()
     engine.stop()
     return 0
+
+
+def _secrets(config: ServerConfig) -> list[str]:
+    """The API keys (configured, or in TIERSERVE_API_KEY though a flag won) and the values of
+    SECRET_ENV."""
+    found = list(config.api_key) + list(split_keys(os.environ.get(ENV_PREFIX + "API_KEY")))
+    found += [os.environ.get(var, "") for var in SECRET_ENV]
+    return [s for s in found if s]
+
+
+class _Redacting(logging.Formatter):
+    """A handler's own formatter, then every secret in the finished text masked: message,
+    arguments (uvicorn's access log formats the request line from them) and traceback alike."""
+
+    def __init__(self, inner: logging.Formatter | None, secrets: list[str]):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+        self.secrets = sorted(set(secrets), key=len, reverse=True)  # a key inside a longer one
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = self.inner.format(record)
+        for s in self.secrets:
+            text = text.replace(s, "***")
+        return text
+
+
+def redact_log_output(secrets: list[str]) -> None:
+    """Wrap the formatter of every handler configured now (root's, uvicorn's) in _Redacting."""
+    if not secrets:
+        return
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if not isinstance(handler.formatter, _Redacting):
+            handler.setFormatter(_Redacting(handler.formatter, secrets))
 
 
 def _draining_server(config, engine):
@@ -186,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--config", default=None, help="YAML settings file, or a preset's name (default)")
+    serve.add_argument("--config", default=None,
+                       help="YAML settings file, or a preset's name (default); unset: "
+                       "$TIERSERVE_CONFIG. Every setting can also come from TIERSERVE_<SETTING> "
+                       "(flag > environment > file > default)")
     _add_config_flags(serve)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="print one completion of TEXT (offline engine)")

@@ -1,11 +1,15 @@
-"""Server settings: a frozen dataclass, loaded from YAML and overridden by command-line flags."""
+"""Server settings: a frozen dataclass, loaded from YAML, then TIERSERVE_<FIELD> environment
+variables, then command-line flags (each source overrides the one before)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -24,8 +28,13 @@ class ServerConfig:
     """Engine model: an embedded alias, a .gguf file or a Hugging Face directory."""
     served_model_name: str | None = None
     """Name clients use in the `model` field; defaults to `model`."""
-    api_key: str | None = None
-    """When set, /v1/*, /tokenize and /detokenize require `Authorization: Bearer <key>`."""
+    api_key: tuple[str, ...] = ()
+    """API keys (repeat the flag or separate with commas); when set, every route but /health and
+    /metrics requires `Authorization: Bearer <one of them>`."""
+    api_key_file: str | None = None
+    """File of more API keys, one a line (blank lines and # comments ignored)."""
+    auth_health_metrics: bool = False
+    """Require an API key on /health and /metrics too (probes and scrapers must then send one)."""
     max_queue: int = 256
     """Requests that may wait beyond max_num_seqs running; more get 429."""
     max_model_len: int = 8192
@@ -65,8 +74,13 @@ class ServerConfig:
     """Largest `n` (choices per prompt) a request may ask for."""
     max_prompts: int = 64
     """Largest number of prompts in one /v1/completions request."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt a request may send, in tokens (more get 400); unset: max_model_len - 1."""
+    max_tokens_limit: int | None = None
+    """Largest max_tokens (or max_completion_tokens) a request may ask for (more get 400), and the
+    cap of requests that ask for none; unset: what the context leaves."""
     max_body_bytes: int = 4 << 20
-    """Request bodies larger than this get 413."""
+    """Request bodies larger than this get 413 (accepts suffixes: 64KiB, 4MiB)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     log_level: str = "info"
@@ -96,6 +110,23 @@ class ServerConfig:
     default_slo_ttft_ms: float | None = None
     """X-SLO-TTFT-Ms for requests that send none."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):  # one key or a comma list, never its characters
+            object.__setattr__(self, "api_key", split_keys(self.api_key))
+        for name in _AT_LEAST_ONE:
+            _check(name, getattr(self, name))
+
+    def describe(self) -> str:
+        """The settings that differ from the defaults, in one line; API keys are counted, not
+        shown."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                shown = f"<{len(value)} keys>" if f.name == "api_key" else value
+                parts.append(f"{f.name}={shown}")
+        return " ".join(parts) or "all defaults"
+
     def default_hint_headers(self) -> dict[str, str]:
         """The defaults above as the request headers they stand in for."""
         pairs = (("X-KV-Load-Tiers", self.default_kv_load_tiers),
@@ -120,19 +151,90 @@ class ServerConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes")
+BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes", "max_body_bytes")
 """Settings that accept size suffixes (512MiB, 2GiB)."""
-def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerConfig:
-    """YAML values, then overrides (None values in overrides are ignored). `path` is a file or the
-    name of a preset shipped in tierserve.configs ("default")."""
+ENV_PREFIX = "TIERSERVE_"
+"""Each setting is also the variable TIERSERVE_<FIELD NAME IN CAPITALS>; other TIERSERVE_* names
+(TIERSERVE_CACHE, TIERSERVE_SPIN_US, ...) are not settings and are left alone here."""
+CONFIG_ENV = "TIERSERVE_CONFIG"
+"""The YAML file (or preset name) when --config is not given."""
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+_AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit")
+
+
+def _check(name: str, value: Any) -> None:
+    if name in _AT_LEAST_ONE and value is not None and value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def split_keys(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """API keys from a comma list, or from a list of comma lists (a repeated flag, YAML)."""
+    if value is None:
+        return ()
+    parts = value.split(",") if isinstance(value, str) else \
+        [p for v in value for p in str(v).split(",")]
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """One key a line; blank lines and lines starting with # are skipped."""
+    lines = Path(path).read_text().splitlines()
+    return tuple(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#"))
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The TIERSERVE_<FIELD> variables that are set and not empty, converted to each field's type;
+    a value that does not convert is a ValueError naming the variable."""
+    hints = typing.get_type_hints(ServerConfig)
+    out: dict[str, Any] = {}
+    for name in FIELDS:
+        var = ENV_PREFIX + name.upper()
+        raw = environ.get(var, "").strip()
+        if raw:
+            try:
+                out[name] = _from_text(name, hints[name], raw)
+                _check(name, out[name])
+            except ValueError as e:
+                raise ValueError(f"{var}: {e}") from None
+    return out
+
+
+def _from_text(name: str, kind: Any, raw: str) -> Any:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(t for t in typing.get_args(kind) if t is not type(None))
+    if typing.get_origin(kind) is tuple:
+        return split_keys(raw)
+    if name in BYTE_FIELDS:
+        return parse_bytes(raw)
+    if kind is bool:
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}, got {raw!r}")
+        return raw.lower() in _TRUE
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, "
+                             f"got {raw!r}") from None
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any],
+                environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """Defaults, then the YAML file, then TIERSERVE_<FIELD> variables in `environ`, then overrides
+    (flags; None values are ignored). `path` is a file or the name of a preset shipped in
+    tierserve.configs ("default"); None: TIERSERVE_CONFIG, if set. The keys in api_key_file join
+    api_key's."""
     from tierserve.configs import resolve
 
+    path = path if path is not None else (environ.get(CONFIG_ENV) or None)
     values: dict[str, Any] = {}
     if path is not None:
         data = yaml.safe_load(resolve(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         values.update({k.replace("-", "_"): v for k, v in data.items()})
+    values.update(env_settings(environ))
     values.update({k: v for k, v in overrides.items() if v is not None})
     unknown = set(values) - set(FIELDS)
     if unknown:
@@ -140,4 +242,22 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerCon
     for key in BYTE_FIELDS:
         if values.get(key) is not None:
             values[key] = parse_bytes(values[key])
+    values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
     return ServerConfig(**values)
+
+
+def _api_keys(given: Any, key_file: str | None) -> tuple[str, ...]:
+    """A key setting that was given but holds no key is an error, not an open server."""
+    keys = split_keys(given)
+    if not keys and given not in (None, (), []):
+        raise ValueError("api_key is set but holds no key (an empty key would leave the server "
+                         "open)")
+    if key_file:
+        try:
+            found = read_key_file(key_file)
+        except OSError as e:
+            raise ValueError(f"api_key_file: cannot read {key_file}: {e.strerror}") from None
+        if not found:
+            raise ValueError(f"api_key_file: {key_file} holds no key")
+        keys += found
+    return keys

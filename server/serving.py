@@ -23,7 +23,7 @@ from tierserve.server.metrics import RequestObserver, ServerMetrics
 from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.tier_policy import TierDecision
 from tierserve.server.policy import TierRef, applied_params, parse_hints
-from tierserve.server.protocol import _SamplingFields
+from tierserve.server.protocol import ChatCompletionRequest, _SamplingFields
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,12 @@ def context(request: Request) -> ServerContext:
 
 
 def start_call(request: Request, body: _SamplingFields) -> Call:
-    hints = parse_hints(request.headers, body.kv_transfer_params, context(request).tiers)
+    ctx = context(request)
+    hints = parse_hints(request.headers, body.kv_transfer_params, ctx.tiers)
+    if hints.sparse_attention and not ctx.engine.engine.config.sparse.enabled:
+        raise bad_request("header X-Sparse-Attention: on, but sparse attention is not enabled on "
+                          "this server (start it with --sparse-topk-blocks or --sparse-topk-ratio)",
+                          "X-Sparse-Attention")
     return Call(request.state.request_id, hints, int(time.time()))
 
 
@@ -107,6 +112,7 @@ def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int |
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {body.seed}", "seed")
     if body.priority is not None and not -_INT64 - 1 <= body.priority <= _INT64:
         raise bad_request("priority must fit in a signed 64-bit integer", "priority")
+    max_tokens = _limited_max_tokens(body, ctx.config.max_tokens_limit, max_tokens)
     vocab = ctx.engine.tokenizer.vocab_size
     stop_ids = list(body.stop_token_ids or [])
     top_k = body.top_k
@@ -138,6 +144,33 @@ def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int |
         raise bad_request(str(e), e.param) from None
 
 
+def _limited_max_tokens(body: _SamplingFields, limit: int | None,
+                        max_tokens: int | None) -> int | None:
+    """max_tokens_limit: asking for more is a 400 naming the field the client sent; the schema's
+    default (16 on completions) is capped instead. None (chat: up to the context) is capped per
+    prompt at admission, where the prompt's length is known."""
+    if limit is None or max_tokens is None or max_tokens <= limit:
+        return max_tokens
+    name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
+        else "max_tokens"
+    if name not in body.model_fields_set:
+        return limit
+    raise bad_request(f"{name} must be in [1, {limit}], got {max_tokens}", name)
+
+
+def _check_prompt_lengths(ctx: ServerContext, prompts: list[list[int]],
+                          body: _SamplingFields) -> None:
+    limit = ctx.config.max_prompt_tokens
+    if limit is None:
+        return
+    name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    for i, ids in enumerate(prompts):
+        if len(ids) > limit:
+            which = f"{name}[{i}]" if len(prompts) > 1 else name
+            raise bad_request(f"{which} has {len(ids)} tokens; this server accepts at most {limit} "
+                              f"prompt tokens (max_prompt_tokens)", name)
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
     if not bias:
         return None
@@ -156,6 +189,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] |
 def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: SamplingParams,
           body: _SamplingFields) -> GroupStream:
     """Fan out to one engine request per (prompt, choice): child k = prompt k // n, choice k % n."""
+    _check_prompt_lengths(ctx, prompts, body)
     total, limit = len(prompts) * params.n, ctx.engine.max_in_flight
     if total > limit:  # no retry could ever succeed: a 400, not a 429
         raise bad_request(f"{len(prompts)} prompt(s) x n={params.n} = {total} sequences; the server "
@@ -164,8 +198,9 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
     base = uuid.uuid4().hex
     children = []
     for p, ids in enumerate(prompts):
+        max_tokens = _default_cap(ctx, ids, params.max_tokens)
         for j in range(params.n):
-            child = dataclasses.replace(params, n=1,
+            child = dataclasses.replace(params, n=1, max_tokens=max_tokens,
                                         seed=None if params.seed is None else params.seed + j)
             children.append(ChildRequest(f"{base}-{p * params.n + j}", ids, child,
                                          body.priority or 0, body.cache_salt,
@@ -181,6 +216,14 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
     except EngineStopped as e:
         raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
     return stream
+
+
+def _default_cap(ctx: ServerContext, ids: list[int], max_tokens: int | None) -> int | None:
+    """A request that names no max_tokens gets what the context leaves, at most max_tokens_limit."""
+    limit, room = ctx.config.max_tokens_limit, ctx.engine.max_model_len - len(ids)
+    if max_tokens is not None or limit is None or room < 1:
+        return max_tokens  # room < 1: the engine's prompt check answers
+    return min(limit, room)
 
 
 async def observed(stream: GroupStream, obs: RequestObserver) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,7 +1,9 @@
-"""A deliberately small server: fuzzing finds no 5xx, a full queue gets 429, SIGTERM drains."""
+"""A deliberately small server: fuzzing finds no 5xx, a full queue gets 429, SIGTERM drains; and
+the limits a server takes from its settings (prompt tokens, max_tokens, body bytes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from server_fixtures import MODEL, run_server
@@ -93,3 +96,80 @@ def test_sigterm_drains_in_flight_and_exits_0(small):
     assert small.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(small.base_url + "/health", timeout=5)
+
+
+# ---- limits from settings: prompt tokens, max_tokens, body size ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("limited"), "--max-prompt-tokens", "32",
+                    "--max-tokens-limit", "8", "--max-body-bytes", "16KiB") as s:
+        yield s
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=120)
+
+
+def _bad(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    return e.value.body
+
+
+def test_prompt_over_max_prompt_tokens_is_400_naming_it(limited):
+    client = _client(limited)
+    at_limit, over = list(range(100, 132)), list(range(100, 133))
+    ok = client.completions.create(model=MODEL, prompt=at_limit, max_tokens=1)
+    assert ok.usage.prompt_tokens == 32
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt=over, max_tokens=1))
+    assert err["param"] == "prompt" and err["code"] == "invalid_value"
+    assert "33 tokens" in err["message"] and "at most 32" in err["message"]
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt=[at_limit, over],
+                                                 max_tokens=1))
+    assert err["param"] == "prompt" and err["message"].startswith("prompt[1] has 33 tokens")
+    long_chat = [{"role": "user", "content": "Tell me about the sea and the sky."}]  # 39 tokens
+    err = _bad(lambda: client.chat.completions.create(model=MODEL, messages=long_chat,
+                                                      max_tokens=1))
+    assert err["param"] == "messages" and "39 tokens" in err["message"]
+
+
+def test_max_tokens_over_the_limit_is_400_with_the_range(limited):
+    client = _client(limited)
+    msgs = [{"role": "user", "content": "Hi"}]  # 31 tokens with the template's system prompt
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=9))
+    assert err["param"] == "max_tokens" and "[1, 8]" in err["message"]
+    for field in ("max_tokens", "max_completion_tokens"):
+        err = _bad(lambda: client.chat.completions.create(model=MODEL, messages=msgs,
+                                                          **{field: 9}))
+        assert err["param"] == field and "[1, 8]" in err["message"]
+    at_limit = client.completions.create(model=MODEL, prompt="Hi", max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+    assert at_limit.usage.completion_tokens == 8
+    # A request that names no max_tokens is capped: the completions default (16) and chat's
+    # "up to the context" both stop at the limit instead of failing.
+    plain = client.completions.create(model=MODEL, prompt="Hi", extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model=MODEL, messages=msgs,
+                                          extra_body={"ignore_eos": True})
+    assert plain.usage.completion_tokens == chat.usage.completion_tokens == 8
+    assert plain.choices[0].finish_reason == chat.choices[0].finish_reason == "length"
+
+
+def test_body_over_max_body_bytes_is_413_with_or_without_a_length(limited):
+    url = limited.v1 + "/completions"
+    big = json.dumps({"model": MODEL, "prompt": "hi", "user": "x" * (17 << 10)}).encode()
+    r = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "16384 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit counts the bytes as they arrive
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    r = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"},
+                   timeout=30)
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                              "user": "x" * (15 << 10)}, timeout=30)
+    assert r.status_code == 200, r.text
