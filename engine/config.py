@@ -122,13 +122,13 @@ class SparseConfig:
         return self.topk_blocks is not None or self.topk_ratio is not None
 
     def topk(self, context_len: int, block_size: int) -> int:
-        """Blocks this sequence attends, or 0 for dense (short context, or K covers every block)."""
+        """Blocks this sequence attends (at most all of them), or 0: dense, by the sparse kernel's
+        own dense path (short context, or at most two blocks)."""
         blocks = -(-context_len // block_size)
-        if not self.enabled or context_len < self.min_context:
+        if not self.enabled or context_len < self.min_context or blocks <= 2:
             return 0
         k = self.topk_blocks if self.topk_blocks is not None else math.ceil(self.topk_ratio * blocks)
-        k = max(2, k)  # the first and the newest block are always kept
-        return 0 if k >= blocks else k
+        return min(blocks, max(2, k))  # the first and the newest block are always kept
 
     def validate(self) -> None:
         if self.topk_blocks is not None and self.topk_blocks < 2:
@@ -168,6 +168,10 @@ class EngineConfig:
     """Backend timings written by `tierserve bench-backends`; None: ~/.cache/tierserve/."""
     num_threads: int | None = None
     """Torch intra-op threads; None uses the cores available to this process."""
+    cuda_graphs: bool = False
+    """Replay decode-only steps from CUDA graphs captured at start-up, one per batch-size bucket
+    and block-table width (engine/cuda_graphs.py); needs a CUDA device and a decode backend with
+    static metadata (triton). Elsewhere steps run eagerly, with a warning at start-up."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_tiers: TierConfig | None = None

@@ -193,30 +193,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        t0 = time.perf_counter()
-        layout, sample_rows = self._layout(out)
-        t = out.num_batched_tokens
-        sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
-                  if self.backend.capabilities.sparse else None)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
-                             self.kv_caches, sparse)
-        facts = dict(table_width=layout.block_tables.shape[1], metadata_seconds=time.perf_counter() - t0,
-                     metadata_bytes=BatchBuffers.nbytes(
-                         layout.block_tables, layout.slot_mapping, self.buffers.context_lens[:layout.num_seqs],
-                         *((sparse.topk, sparse.selected) if sparse else ())))
-        dev, b = self.device, self.buffers
-        with forward_context(ctx):
-            hidden = self.model(b.tokens[:t].to(dev, non_blocking=True),
-                                b.positions[:t].to(dev, non_blocking=True))
-        self.sparse.update(self.kv_caches, layout.slot_mapping)
-        if sparse is not None:
-            self.sparse.collect()
+        hidden, layout, sample_rows, facts = self._forward(out)
         prompt_lps = self._prompt_logprobs(out, hidden, layout)
         if not sample_rows:
             return StepResult({}, {}, prompt_lps, **facts)
-        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in sample_rows], device=dev)
         # The sampler runs where the logits are; only token ids (and asked logprobs) come back.
-        logits = self.model.compute_logits(hidden[idx]).float()
+        logits = self._logits(hidden, layout, sample_rows)
         reqs = [out.scheduled[i].request for i in sample_rows]
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           self._stop_ids(r.params)) for r in reqs]
@@ -224,6 +206,40 @@ class ModelRunner:
         sampled = {r.request_id: tok for r, tok in zip(reqs, res.token_ids)}
         lps = {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None}
         return StepResult(sampled, lps, prompt_lps, **facts)
+
+    @torch.inference_mode()
+    def logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step and return the float32 logits of each sampling request's last token
+        (no sampling, no state change beyond the KV written): for evaluation, e.g. teacher-forced
+        agreement of sparse and dense decode."""
+        hidden, layout, sample_rows, _ = self._forward(out)
+        return self._logits(hidden, layout, sample_rows)
+
+    def _forward(self, out: SchedulerOutput):
+        """The model over the step's tokens: (hidden, layout, rows that sample, metadata facts)."""
+        t0 = time.perf_counter()
+        layout, sample_rows = self._layout(out)
+        t = out.num_batched_tokens
+        sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
+                  if self.backend.capabilities.sparse else None)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
+                             self.kv_caches, sparse)
+        views = (layout.block_tables, layout.slot_mapping, self.buffers.context_lens[:layout.num_seqs],
+                 *((sparse.topk, sparse.selected) if sparse else ()))
+        facts = dict(table_width=layout.block_tables.shape[1], metadata_bytes=BatchBuffers.nbytes(*views),
+                     metadata_seconds=time.perf_counter() - t0)
+        dev, b = self.device, self.buffers
+        with forward_context(ctx):
+            hidden = self.model(b.tokens[:t].to(dev, non_blocking=True),
+                                b.positions[:t].to(dev, non_blocking=True))
+        self.sparse.update(self.kv_caches, layout.slot_mapping)
+        if sparse is not None:
+            self.sparse.collect()
+        return hidden, layout, sample_rows, facts
+
+    def _logits(self, hidden: torch.Tensor, layout: BatchLayout, rows: list[int]) -> torch.Tensor:
+        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in rows], device=self.device)
+        return self.model.compute_logits(hidden[idx]).float()
 
     def _stop_ids(self, params) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)

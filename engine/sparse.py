@@ -18,6 +18,7 @@ import torch
 from tierserve.engine.batch_buffers import BatchBuffers
 from tierserve.engine.config import SparseConfig
 from tierserve.kernels.base import BatchLayout
+from tierserve.kernels.sparse import kv_summary_rebuild_, kv_summary_update
 from tierserve.kernels.sparse_plan import SparseStep
 
 
@@ -96,11 +97,8 @@ class SparseDecoder:
         if not self.summaries or not slot_mapping.numel():
             return
         slots = slot_mapping.to(self.device, non_blocking=True)
-        if self.ops is not None:
-            self.ops.kv_summary_update_(kv_caches, self.summaries, slots, self.block_size)
-            return
-        for cache, summary in zip(kv_caches, self.summaries):
-            _update_torch(cache[0], summary, slots, self.block_size)
+        update = self.ops.kv_summary_update_ if self.ops is not None else kv_summary_update
+        update(kv_caches, self.summaries, slots, self.block_size)
 
     @torch.inference_mode()
     def rebuild(self, kv_caches: list[torch.Tensor], block_ids: list[int]) -> None:
@@ -109,28 +107,4 @@ class SparseDecoder:
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for cache, summary in zip(kv_caches, self.summaries):
-            k = cache[0]
-            h, _, d = k.shape
-            blocks = k.view(h, -1, self.block_size, d).index_select(1, idx).float()
-            summary[0].index_copy_(1, idx, blocks.amin(dim=2))
-            summary[1].index_copy_(1, idx, blocks.amax(dim=2))
-
-
-def _update_torch(k_cache: torch.Tensor, summary: torch.Tensor, slots: torch.Tensor,
-                  block_size: int) -> None:
-    """The torch path of the update. A block whose first slot was written this step starts
-    afresh (its earlier tokens, if any, belonged to the block's previous owner)."""
-    keys = k_cache.index_select(1, slots).float()  # [Hkv, T, D]
-    blocks, inv = torch.unique(torch.div(slots, block_size, rounding_mode="floor"),
-                               return_inverse=True)
-    h, _, d = keys.shape
-    shape = (h, blocks.numel(), d)
-    lo = keys.new_full(shape, float("inf")).index_reduce_(1, inv, keys, "amin")
-    hi = keys.new_full(shape, float("-inf")).index_reduce_(1, inv, keys, "amax")
-    fresh = torch.zeros(blocks.numel(), dtype=torch.bool, device=keys.device)
-    fresh[inv[slots % block_size == 0]] = True
-    keep = ~fresh[None, :, None]
-    lo = torch.where(keep, torch.minimum(lo, summary[0].index_select(1, blocks)), lo)
-    hi = torch.where(keep, torch.maximum(hi, summary[1].index_select(1, blocks)), hi)
-    summary[0].index_copy_(1, blocks, lo)
-    summary[1].index_copy_(1, blocks, hi)
+            kv_summary_rebuild_(cache, summary, idx, self.block_size)

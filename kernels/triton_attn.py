@@ -53,6 +53,9 @@ class TritonBackend(AttentionBackend):
         requires=("triton",),
         min_capability_for=(("fp8_e4m3", (8, 9)),),  # fp8e4nv conversions need sm89+
     )
+    cuda_graphs = True
+    """Decode metadata can live in static device tensors (static_decode_metadata), so decode
+    steps can replay CUDA graphs."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -73,15 +76,33 @@ class TritonBackend(AttentionBackend):
 
     def _decode_meta(self, lay: BatchLayout) -> TritonDecodeMeta:
         b, dev = lay.num_seqs, self.device
-        longest = max(lay.context_lens)
-        tiles = -(-longest // self.block_n)
-        want = -(-self.target_programs // (b * self.num_kv_heads))
-        splits = max(1, min(want, tiles, 32))
-        split_len = -(-tiles // splits) * self.block_n
-        splits = -(-longest // split_len)
+        split_len, splits = self._splits(b, max(lay.context_lens))
         return TritonDecodeMeta(b, lay.block_tables.to(dev, non_blocking=True),
                                 torch.tensor(lay.context_lens, dtype=torch.int32).to(dev),
                                 lay.block_size, split_len, splits)
+
+    def _splits(self, batch: int, longest: int) -> tuple[int, int]:
+        """(split_len, num_splits) for a decode batch whose longest context is `longest`."""
+        tiles = -(-longest // self.block_n)
+        want = -(-self.target_programs // (batch * self.num_kv_heads))
+        splits = max(1, min(want, tiles, 32))
+        split_len = -(-tiles // splits) * self.block_n
+        return split_len, -(-longest // split_len)
+
+    def static_decode_metadata(self, tables: torch.Tensor, lens: torch.Tensor,
+                               page_size: int) -> TritonMeta:
+        """Decode-only metadata over device tensors a CUDA graph keeps (engine/cuda_graphs.py):
+        tables [batch, width] int64, lens [batch] int32, refilled before every replay. The
+        splits are python ints baked into the graph, so they are sized for the longest context
+        the width admits (width * page_size), not for the batch's longest. The kernel reads each
+        sequence's length from `lens`, so splits past a context loop over nothing and weigh 0 in
+        the combine; the cost is fewer splits carrying the real context than eager would use:
+        at most 2x fewer for a width chosen by next_power_of_two (more below the narrowest
+        width, or where capped widths leave gaps), which matters only for small batches whose
+        programs do not fill the SMs anyway (batch * KV heads < 2 * SMs)."""
+        b, width = tables.shape
+        split_len, splits = self._splits(b, width * page_size)
+        return TritonMeta(TritonDecodeMeta(b, tables, lens, page_size, split_len, splits), None)
 
     def _prefill_meta(self, lay: BatchLayout, t0: int) -> TritonPrefillMeta:
         dev = self.device

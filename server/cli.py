@@ -77,7 +77,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
 
-    engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
+    try:
+        engine_config = build_config(**config.engine_kwargs())
+    except ValueError as e:  # e.g. a sparse setting out of range
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
     try:
         app = build_app(config, engine)
     except ApiError as e:  # a bad default_* hint: the same check a request's header gets

@@ -68,6 +68,9 @@ class ServerConfig:
     """Timings from `tierserve bench-backends` (default ~/.cache/tierserve/backend_profile.json)."""
     num_threads: int | None = None
     """Torch threads; None uses every core available."""
+    cuda_graphs: bool = False
+    """Replay decode steps from CUDA graphs captured at start-up (GPU, triton decode backend);
+    keeps one KV block out of the pool for padded rows. On the CPU: a warning, eager steps."""
     seed: int = 0
     """Sampler seed for requests without a seed."""
     max_n: int = 16
@@ -109,6 +112,15 @@ class ServerConfig:
     """X-SLO-Class for requests that send none: interactive or batch."""
     default_slo_ttft_ms: float | None = None
     """X-SLO-TTFT-Ms for requests that send none."""
+    sparse_topk_blocks: int | None = None
+    """Sparse top-k decode: KV blocks each decode attends per KV head (first and newest included);
+    unset with sparse_topk_ratio unset: dense decode (docs/sparse.md)."""
+    sparse_topk_ratio: float | None = None
+    """Sparse top-k decode as a fraction of each sequence's blocks (0 < ratio <= 1)."""
+    sparse_min_context: int = 1024
+    """Sequences with fewer context tokens decode densely."""
+    sparse_dense_layers: int = 2
+    """The first layers stay dense under sparse decode."""
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # one key or a comma list, never its characters
@@ -146,7 +158,9 @@ class ServerConfig:
                 "gpu_memory_utilization",
                 "kv_cache_dtype", "kv_cache_scale", "attention_backend", "backend_profile",
                 "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
-                "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region")
+                "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
+                "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
+                "sparse_dense_layers", "cuda_graphs")
         return {k: getattr(self, k) for k in keys}
 
 

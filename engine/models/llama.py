@@ -186,8 +186,8 @@ class LlamaForCausalLM(nn.Module):
                 or batch < self.stack_decode_min_batch):
             return None
         ctx = get_forward_context()
-        if ctx.sparse is not None and not getattr(self.ops, "decode_forward_sparse", None):
-            return None  # the one-call stack attends densely
+        if ctx.sparse is not None and not hasattr(self.ops, "decode_forward_sparse"):
+            return None
         decode_only = getattr(ctx.backend, "decode_only", None)
         meta = decode_only(ctx.metadata) if decode_only is not None else None
         if meta is None or meta.batch != batch or not ctx.backend.plain_kv_store(ctx.kv_caches[0]):
@@ -199,8 +199,12 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         rope = self.layers[0].self_attn.rope
         h = self.layers[0].input_layernorm(x)  # x stays the residual stream
-        return self.ops.decode_forward(
-            h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
-            rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
-            ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads,
-            torch.get_num_threads())
+        args = (h, x, positions, ctx.slot_mapping, self._stack, self.norm.weight, ctx.kv_caches,
+                rope.cos, rope.sin, meta.block_tables, meta.context_lens, meta.block_size,
+                ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads,
+                torch.get_num_threads())
+        sp = ctx.sparse
+        if sp is None:
+            return self.ops.decode_forward(*args)
+        return self.ops.decode_forward_sparse(*args, sp.summaries, sp.topk, sp.dense_layers,
+                                              sp.selected, sp.stats)

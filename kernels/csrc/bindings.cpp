@@ -16,4 +16,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("decode_forward", &decode_forward, "the decoder layers for a decode-only step, by a "
         "team of threads", py::call_guard<py::gil_scoped_release>());
+  m.def("decode_forward_sparse", &decode_forward_sparse, "decode_forward with sparse layers from "
+        "dense_layers on", py::call_guard<py::gil_scoped_release>());
+  m.def("sparse_paged_decode", &sparse_paged_decode, "top-k block (Quest) paged decode attention",
+        py::arg("q"), py::arg("kv_cache"), py::arg("summary"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("topk"),
+        py::arg("selected"), py::arg("stats"));
+  // the same with one topk for every sequence
+  m.def("sparse_paged_decode",
+        [](torch::Tensor q, torch::Tensor kv_cache, torch::Tensor summary,
+           torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+           double scale, int64_t topk, torch::Tensor selected, torch::Tensor stats) {
+          return sparse_paged_decode(q, kv_cache, summary, block_tables, context_lens,
+                                     block_size, scale, torch::full({q.size(0)}, topk, at::kLong),
+                                     selected, stats);
+        },
+        py::arg("q"), py::arg("kv_cache"), py::arg("summary"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("topk"),
+        py::arg("selected"), py::arg("stats"));
+  m.def("kv_summary_update_", &kv_summary_update_, "each written key into its block's min/max",
+        py::arg("kv_caches"), py::arg("summaries"), py::arg("slot_mapping"),
+        py::arg("block_size"));
 }

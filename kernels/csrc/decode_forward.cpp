@@ -5,7 +5,8 @@
 // element-wise ops for its rows, calling the same kernels as the layer-by-layer path (which run
 // inline inside a worker, thread_pool.h); a barrier separates steps that read what another thread
 // wrote. Every output is computed by the same code in the same order as layer by layer, so the
-// result is bit-identical to it.
+// result is bit-identical to it. Sparse layers (decode_forward_sparse) call sparse_paged_decode
+// for their rows in place of paged_decode, each member counting into stats of its own.
 //
 // Why: a layer-by-layer step hands work to the threads ~150 times, with Python between, and each
 // hand-off to a sleeping worker costs tens to hundreds of microseconds; here the team is woken
@@ -72,16 +73,24 @@ inline torch::Tensor rows(const torch::Tensor& t, int64_t first, int64_t n) {
 
 }  // namespace
 
-torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
-                             torch::Tensor slots, std::vector<torch::Tensor> weights,
-                             torch::Tensor final_norm, std::vector<torch::Tensor> kv_caches,
-                             torch::Tensor cos, torch::Tensor sin_signed,
-                             torch::Tensor block_tables, torch::Tensor context_lens,
-                             int64_t block_size, double scale, double eps, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t team) {
+torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
+                                    torch::Tensor positions, torch::Tensor slots,
+                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
+                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
+                                    torch::Tensor sin_signed, torch::Tensor block_tables,
+                                    torch::Tensor context_lens, int64_t block_size, double scale,
+                                    double eps, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t team, std::vector<torch::Tensor> summaries,
+                                    torch::Tensor topk, int64_t dense_layers,
+                                    c10::optional<torch::Tensor> selected,
+                                    c10::optional<torch::Tensor> stats) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "weights: 7 tensors per layer");
+  const bool sparse = !summaries.empty();
+  TORCH_CHECK(!sparse || (static_cast<int64_t>(summaries.size()) == layers &&
+                          selected.has_value() && stats.has_value()),
+              "sparse layers: one summary per layer, a selected scratch and stats");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && residual.is_contiguous() &&
                   x.sizes() == residual.sizes(),
               "x and residual: contiguous fp32 [B, hidden]");
@@ -115,6 +124,10 @@ torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Ten
   std::vector<int64_t> acut = balanced_cuts(cost, team);
   acut.resize(team + 1, B);
   SpinBarrier barrier(static_cast<int>(team));
+  // each member's sparse stats, summed into `stats` once the team is done
+  std::vector<torch::Tensor> member_stats;
+  if (sparse)
+    for (int64_t i = 0; i < team; ++i) member_stats.push_back(torch::zeros({2}, stats->options()));
 
   auto member = [&](int64_t tid, int64_t nt) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
@@ -144,8 +157,14 @@ torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Ten
                        rows(slots, a0, an), num_heads, num_kv_heads);
         const torch::Tensor q =
             mine.view({an, num_heads + 2 * num_kv_heads, D}).narrow(1, 0, num_heads);
-        const torch::Tensor out = paged_decode(q, kv_caches[l], rows(block_tables, a0, an),
-                                               rows(context_lens, a0, an), block_size, scale);
+        const torch::Tensor out =
+            sparse && l >= dense_layers
+                ? sparse_paged_decode(q, kv_caches[l], summaries[l], rows(block_tables, a0, an),
+                                      rows(context_lens, a0, an), block_size, scale,
+                                      rows(topk, a0, an), rows(*selected, a0, an),
+                                      member_stats[tid])
+                : paged_decode(q, kv_caches[l], rows(block_tables, a0, an),
+                               rows(context_lens, a0, an), block_size, scale);
         std::memcpy(attn.data_ptr<float>() + a0 * q_n, out.data_ptr<float>(),
                     an * q_n * sizeof(float));
       }
@@ -183,5 +202,6 @@ torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Ten
         }
       },
       static_cast<int>(team));
+  for (const torch::Tensor& m : member_stats) stats->add_(m);
   return x;
 }

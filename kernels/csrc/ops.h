@@ -109,6 +109,23 @@ inline std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& cost, int6
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale);
 
+// Sparse (Quest top-k block) paged decode (sparse_decode.cpp): per (sequence, KV head), the
+// first and newest blocks plus the topk - 2 others whose key summary bounds q.k highest, summed
+// over the GQA group; all blocks where topk is 0 or n = ceil(context / block_size) <= topk (then
+// bit-identical to paged_decode). q [B, H, D] fp32; topk [B] int64 (0 or >= 2 each); summary
+// [2, Hkv, NB, D] fp32 (min, max of each block's keys); selected [B, Hkv, W >= topk] int32 gets
+// the attended logical blocks, ascending (-1 past min(n, topk), and for topk 0); stats [2] float64
+// += (blocks attended by sequences with a topk, selection ns). Returns [B, H * D].
+torch::Tensor sparse_paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor summary,
+                                  torch::Tensor block_tables, torch::Tensor context_lens,
+                                  int64_t block_size, double scale, torch::Tensor topk,
+                                  torch::Tensor selected, torch::Tensor stats);
+
+// Each layer's summary after the step's K is stored: for every slot in order, its block's
+// [min, max] reset to the key (offset 0) or widened by it.
+void kv_summary_update_(std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> summaries,
+                        torch::Tensor slot_mapping, int64_t block_size);
+
 // Causal prefill attention of every chunk in the batch over the paged cache (see
 // prefill_attention.cpp), written into out's rows; supported: head_dim % 16 == 0, block % 16 == 0.
 bool paged_prefill_supported(int64_t head_dim, int64_t block_size);
@@ -158,10 +175,30 @@ void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const floa
 // an empty tensor, o panels, post-attention norm, gate_up panels, down panels). Writes the final
 // norm's output into x and returns it. `team` threads take every layer together (each GEMM's
 // panels split between them, attention and element-wise ops by rows, a barrier between steps).
-torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
-                             torch::Tensor slots, std::vector<torch::Tensor> weights,
-                             torch::Tensor final_norm, std::vector<torch::Tensor> kv_caches,
-                             torch::Tensor cos, torch::Tensor sin_signed,
-                             torch::Tensor block_tables, torch::Tensor context_lens,
-                             int64_t block_size, double scale, double eps, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t team);
+// Layers from `dense_layers` on attend by sparse_paged_decode with their `summaries` entry (one
+// per layer), `topk` [B], `selected` [B, Hkv, W] (left holding the last layer's choice) and
+// `stats` (summed over the layers); with no summaries every layer is dense (decode_forward).
+torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
+                                    torch::Tensor positions, torch::Tensor slots,
+                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
+                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
+                                    torch::Tensor sin_signed, torch::Tensor block_tables,
+                                    torch::Tensor context_lens, int64_t block_size, double scale,
+                                    double eps, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t team, std::vector<torch::Tensor> summaries,
+                                    torch::Tensor topk, int64_t dense_layers,
+                                    c10::optional<torch::Tensor> selected,
+                                    c10::optional<torch::Tensor> stats);
+inline torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual,
+                                    torch::Tensor positions, torch::Tensor slots,
+                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
+                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
+                                    torch::Tensor sin_signed, torch::Tensor block_tables,
+                                    torch::Tensor context_lens, int64_t block_size, double scale,
+                                    double eps, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t team) {
+  return decode_forward_sparse(x, residual, positions, slots, std::move(weights), final_norm,
+                               std::move(kv_caches), cos, sin_signed, block_tables, context_lens,
+                               block_size, scale, eps, num_heads, num_kv_heads, team, {},
+                               torch::Tensor(), 0, c10::nullopt, c10::nullopt);
+}

@@ -1,0 +1,227 @@
+"""Sparse top-k decode against dense, in one run on this machine (docs/BENCHMARKS.md, docs/sparse.md).
+
+1. Speed: decode step time (the whole model, one decode per sequence) and attention time (the
+   attention kernels alone, over every layer's cache) at contexts of 1k, 2k, 4k and 8k tokens and
+   batch 1 and 8, dense against sparse with K an eighth of the blocks (--ratio). The KV cache is
+   filled with random values: attention's cost does not depend on them.
+2. Metadata: bytes and build time of the step's metadata with the adaptive (power-of-two) table
+   width against an always-capacity width, on a batch of one long and many short requests.
+3. Accuracy (--accuracy): teacher-forced top-1 agreement with dense and the perplexity change over
+   K from 1/16 to 1/2 of the blocks, two dense layers, on tests/data/long_text.md.
+
+    .venv/bin/python bench/sparse.py [--accuracy] [--out docs/]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from tierserve.engine.kv_hints import KVHints  # noqa: E402
+from tierserve.engine.llm import LLM  # noqa: E402
+from tierserve.engine.request import Request, RequestId  # noqa: E402
+from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXTS = (1024, 2048, 4096, 8192)
+BATCHES = (1, 8)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def median_time(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_steps(runner, batch: int, ctx: int, sparse: bool) -> SchedulerOutput:
+    """`batch` decodes at context `ctx`, each over its own run of blocks."""
+    bs, nb = runner.block_size, -(-ctx // runner.block_size)
+    steps = []
+    for i in range(batch):
+        r = Request(RequestId(f"b{i}"), [1] * ctx, SamplingParams(max_tokens=1, temperature=0), 1,
+                    hints=KVHints(sparse_attention=sparse))
+        steps.append(ScheduledRequest(r, ctx - 1, 1, tuple(range(i * nb, (i + 1) * nb)), True))
+    assert bs * nb >= ctx
+    return SchedulerOutput(tuple(steps), batch)
+
+
+def attention_time(runner, batch: int, ctx: int, ratio: float, repeat: int) -> tuple[float, float]:
+    """Seconds for one decode's attention over every layer: (dense kernel, sparse kernel)."""
+    ext, mc, bs = runner.native, runner.model_cfg, runner.block_size
+    nb = -(-ctx // bs)
+    tables = torch.arange(batch * nb, dtype=torch.long).view(batch, nb)
+    lens = torch.full((batch,), ctx, dtype=torch.long)
+    q = torch.randn(batch, mc.num_heads, mc.head_dim)
+    topk = torch.full((batch,), max(2, round(nb * ratio)), dtype=torch.long)
+    selected = torch.empty(batch, mc.num_kv_heads, int(topk[0]), dtype=torch.int32)
+    stats = torch.zeros(2, dtype=torch.float64)
+    scale = mc.head_dim ** -0.5
+    caches, summaries = runner.kv_caches, runner.sparse.summaries
+
+    def dense():
+        for c in caches:
+            ext.paged_decode(q, c, tables, lens, bs, scale)
+
+    def sparse():
+        for c, s in zip(caches, summaries):
+            ext.sparse_paged_decode(q, c, s, tables, lens, bs, scale, topk, selected, stats)
+
+    return median_time(dense, repeat), median_time(sparse, repeat)
+
+
+def speed(ratio: float, repeat: int) -> list[dict]:
+    top = max(CONTEXTS)
+    llm = LLM(sparse_topk_ratio=ratio, sparse_dense_layers=2, sparse_min_context=0,
+              max_model_len=top, num_blocks=max(BATCHES) * top // 16 + 16, max_num_seqs=max(BATCHES))
+    runner = llm.engine.runner
+    log("filling the KV cache with random values ...")
+    for c in runner.kv_caches:
+        c.normal_()
+    runner.sparse.rebuild(runner.kv_caches, list(range(runner.num_blocks)))
+    rows = []
+    for ctx in CONTEXTS:
+        for b in BATCHES:
+            step_d = median_time(lambda: runner.execute(decode_steps(runner, b, ctx, False)), repeat)
+            step_s = median_time(lambda: runner.execute(decode_steps(runner, b, ctx, True)), repeat)
+            att_d, att_s = attention_time(runner, b, ctx, ratio, repeat)
+            row = dict(context=ctx, batch=b, step_dense_ms=step_d * 1e3, step_sparse_ms=step_s * 1e3,
+                       attn_dense_ms=att_d * 1e3, attn_sparse_ms=att_s * 1e3)
+            rows.append(row)
+            log(f"context {ctx:5d} batch {b}: step {row['step_dense_ms']:7.1f} -> "
+                f"{row['step_sparse_ms']:7.1f} ms, attention {row['attn_dense_ms']:6.2f} -> "
+                f"{row['attn_sparse_ms']:6.2f} ms ({att_d / att_s:.1f}x)")
+    del llm
+    return rows
+
+
+def metadata(repeat: int) -> dict:
+    """One 2,000-token request and 63 of 100 tokens, with a capacity of 8,192 tokens (512 blocks)."""
+    llm = LLM(max_model_len=8192, num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512)
+    runner = llm.engine.runner
+    lens = [2000] + [100] * 63
+    steps, nxt = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // runner.block_size)
+        r = Request(RequestId(f"m{i}"), [1] * n, SamplingParams(max_tokens=1), 1)
+        steps.append(ScheduledRequest(r, n - 1, 1, tuple(range(nxt, nxt + nb)), True))
+        nxt += nb
+    out = SchedulerOutput(tuple(steps), len(steps))
+    res = {}
+    for name, adaptive in (("adaptive", True), ("capacity", False)):
+        runner.buffers.adaptive = adaptive
+
+        def build():
+            layout, _ = runner._layout(out)
+            runner.backend.build_metadata(layout)
+            return layout
+
+        layout = build()
+        res[name] = dict(width=layout.block_tables.shape[1],
+                         table_bytes=layout.block_tables.numel() * 8,
+                         build_us=median_time(build, repeat) * 1e6)
+        log(f"metadata {name}: width {res[name]['width']}, {res[name]['table_bytes']} table bytes, "
+            f"{res[name]['build_us']:.0f} us to build")
+    return res
+
+
+def accuracy(start: int, positions: int) -> list[dict]:
+    from tierserve.engine.sparse_eval import agreement, teacher_forced
+
+    text = (ROOT / "tests" / "data" / "long_text.md").read_text()
+    rows = []
+    for ratio in (1 / 16, 1 / 8, 1 / 4, 1 / 2):
+        llm = LLM(sparse_topk_ratio=ratio, sparse_dense_layers=2, sparse_min_context=0,
+                  max_model_len=start + positions + 16, num_blocks=2 * (start + positions) // 16 + 8)
+        ids = llm.get_tokenizer().encode(text)[:start + positions]
+        t0 = time.perf_counter()
+        dense, sparse = teacher_forced(
+            llm.engine, ids, start, [False, True],
+            progress=lambda i, n: i % 100 == 0 and log(f"  K={ratio:.4g}: {i}/{n} positions"))
+        st = llm.engine.runner.sparse.stats
+        row = dict(ratio=ratio, agreement=agreement(dense, sparse), ppl_dense=dense.perplexity,
+                   ppl_sparse=sparse.perplexity, attended=st.blocks_attended / st.blocks_total)
+        rows.append(row)
+        log(f"K={ratio:.4g}: agreement {row['agreement']:.3f}, perplexity {row['ppl_dense']:.2f} -> "
+            f"{row['ppl_sparse']:.2f}, blocks attended {row['attended']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)")
+        del llm
+    return rows
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 3 if result.get("accuracy") else 2
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2))
+    for ax, (key, title) in zip(axes, (("attn", "decode attention, all layers"),
+                                       ("step", "decode step, whole model"))):
+        for b, style in zip(BATCHES, ("o-", "s--")):
+            rows = [r for r in result["speed"] if r["batch"] == b]
+            x = [r["context"] for r in rows]
+            ax.plot(x, [r[f"{key}_dense_ms"] for r in rows], style, color="tab:gray",
+                    label=f"dense, batch {b}")
+            ax.plot(x, [r[f"{key}_sparse_ms"] for r in rows], style, color="tab:blue",
+                    label=f"sparse K=1/{round(1 / result['ratio'])}, batch {b}")
+        ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title=title)
+        ax.set_xticks(CONTEXTS, [str(c) for c in CONTEXTS])
+        ax.legend(fontsize=8)
+    if n == 3:
+        acc = result["accuracy"]
+        ax = axes[2]
+        x = [r["ratio"] for r in acc]
+        ax.plot(x, [100 * r["agreement"] for r in acc], "o-", label="top-1 agreement (%)")
+        ax.plot(x, [100 * (r["ppl_sparse"] / r["ppl_dense"] - 1) for r in acc], "s--",
+                label="perplexity change (%)")
+        ax.set(xscale="log", xlabel="K (share of blocks)", title="accuracy vs dense (2 dense layers)")
+        ax.set_xticks(x, [f"1/{round(1 / r)}" for r in x])
+        ax.axhline(95, color="tab:gray", lw=0.5)
+        ax.legend(fontsize=8)
+    fig.suptitle(result["machine"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sparse_decode.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ratio", type=float, default=1 / 8, help="K as a share of the blocks")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--accuracy", action="store_true", help="also the accuracy curve over K")
+    p.add_argument("--start", type=int, default=4000, help="accuracy: dense prefill tokens")
+    p.add_argument("--positions", type=int, default=400, help="accuracy: decoded positions")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tierserve.kernels.native import _cpu_info
+    model = next((l.split(":", 1)[1].strip() for l in _cpu_info().splitlines()
+                  if l.startswith("model name")), "cpu")
+    result = dict(machine=f"{model}, {torch.get_num_threads()} threads", ratio=args.ratio,
+                  speed=speed(args.ratio, args.repeat), metadata=metadata(args.repeat * 20))
+    if args.accuracy:
+        result["accuracy"] = accuracy(args.start, args.positions)
+    (args.out / "sparse.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
