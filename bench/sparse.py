@@ -170,6 +170,7 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     n = 3 if result.get("accuracy") else 2
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2))
@@ -184,6 +185,13 @@ def plot(result: dict, out: Path) -> None:
                     label=f"sparse K=1/{round(1 / result['ratio'])}, batch {b}")
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title=title)
         ax.set_xticks(CONTEXTS, [str(c) for c in CONTEXTS])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        lo = min(min(r[f"{key}_dense_ms"], r[f"{key}_sparse_ms"]) for r in result["speed"])
+        hi = max(r[f"{key}_dense_ms"] for r in result["speed"])
+        ax.set_yticks([t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+                       if lo / 1.5 <= t <= hi * 1.5])
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
     if n == 3:
         acc = result["accuracy"]
@@ -194,6 +202,7 @@ def plot(result: dict, out: Path) -> None:
                 label="perplexity change (%)")
         ax.set(xscale="log", xlabel="K (share of blocks)", title="accuracy vs dense (2 dense layers)")
         ax.set_xticks(x, [f"1/{round(1 / r)}" for r in x])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.axhline(95, color="tab:gray", lw=0.5)
         ax.legend(fontsize=8)
     fig.suptitle(result["machine"], fontsize=8)
@@ -209,8 +218,12 @@ def main() -> None:
     p.add_argument("--start", type=int, default=4000, help="accuracy: dense prefill tokens")
     p.add_argument("--positions", type=int, default=400, help="accuracy: decoded positions")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    p.add_argument("--replot", action="store_true", help="plot OUT/sparse.json again, no run")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        plot(json.loads((args.out / "sparse.json").read_text()), args.out)
+        return
     from tierserve.kernels.native import _cpu_info
     model = next((l.split(":", 1)[1].strip() for l in _cpu_info().splitlines()
                   if l.startswith("model name")), "cpu")

@@ -120,7 +120,9 @@ class LLMEngine:
         del src
         if profile_gpu:
             num_blocks = self._size_gpu_cache(block_bytes, model_len)
-        self.pool = BlockPool(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks - self.runner.graph_reserved_blocks, bs,
+                              config.cache.enable_prefix_caching)
+        self.runner.capture_graphs(self.pool.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
         self.default_hints = NO_HINTS

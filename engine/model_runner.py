@@ -13,6 +13,7 @@ import torch
 
 from tierserve.engine.batch_buffers import BatchBuffers
 from tierserve.engine.config import EngineConfig, ModelConfig
+from tierserve.engine.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
 from tierserve.engine.models import model_class
 from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
@@ -69,12 +70,18 @@ class ModelRunner:
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
+        """Decode CUDA graphs, captured by capture_graphs() once the KV cache has its final size."""
+        wanted = wants_graphs(config, self.device, self.backend)  # warns when refused
+        self.graph_reserved_blocks = RESERVED_BLOCKS if wanted else 0
+        """KV blocks the engine keeps out of the pool: the graphs' scratch block (the cache's last)."""
 
     def allocate_kv(self, num_blocks: int, max_model_len: int) -> None:
         """(Re)allocate the KV cache and the block-table buffer. The engine calls it again on a
         GPU once profiling has sized the cache; the model's RoPE table keeps its first length,
         which is never shorter than max_model_len."""
         mc = self.model_cfg
+        self.graphs = None  # they were captured against the old cache
         self.kv_caches = []  # free the old cache before the new one is allocated
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         slots = num_blocks * self.block_size
@@ -88,6 +95,19 @@ class ModelRunner:
         self.buffers = BatchBuffers(sc.max_num_seqs, sc.max_num_batched_tokens,
                                     -(-max_model_len // self.block_size), mc.num_kv_heads,
                                     pin_memory=self.device.type == "cuda")
+
+    def capture_graphs(self, pool_blocks: int) -> None:
+        """Capture the decode graphs against the final KV cache, once, at start-up."""
+        if not self.graph_reserved_blocks:
+            return
+        t0 = time.perf_counter()
+        graphs = DecodeGraphs(self.model, self.backend, self.device,
+                              self.config.scheduler.max_num_seqs, self.buffers.capacity,
+                              self.block_size)
+        graphs.capture(self.kv_caches, self.num_blocks - 1, pool_blocks)
+        self.graphs = graphs
+        log.info("decode CUDA graphs: %d (batch buckets %s x table widths %s) in %.1f s",
+                 graphs.num_graphs, graphs.buckets, graphs.widths, time.perf_counter() - t0)
 
     def _summary_ops(self):
         """The native extension when it keeps block summaries for this cache, else None."""
@@ -219,6 +239,11 @@ class ModelRunner:
         """The model over the step's tokens: (hidden, layout, rows that sample, metadata facts)."""
         t0 = time.perf_counter()
         layout, sample_rows = self._layout(out)
+        if self.graphs is not None and self.graphs.can_replay(layout):
+            hidden, nbytes = self.graphs.replay(layout, self.buffers)
+            return hidden, layout, sample_rows, dict(
+                table_width=layout.block_tables.shape[1], metadata_bytes=nbytes,
+                metadata_seconds=time.perf_counter() - t0)
         t = out.num_batched_tokens
         sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
                   if self.backend.capabilities.sparse else None)

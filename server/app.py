@@ -32,8 +32,11 @@ Exact paths: anything else, /docs and unknown routes included, needs a key when 
 class RequestGate:
     """Pure ASGI middleware: X-Request-Id in and out, bearer-key check, request body limit."""
 
-    def __init__(self, app, config: ServerConfig):
+    def __init__(self, app, config: ServerConfig, on_denied=None):
         self.app, self.config = app, config
+        self.on_denied = on_denied
+        """Called with the status of each answer the gate gives itself (401, 413): counted as
+        the app's error handlers count theirs."""
         self._digests = [_digest(k.encode()) for k in config.api_key]
 
     async def __call__(self, scope, receive, send):
@@ -53,6 +56,8 @@ class RequestGate:
         if denied is None and "content-length" not in headers:  # chunked: count as it comes
             receive, denied = await self._read_body(receive)
         if denied is not None:
+            if self.on_denied is not None:
+                self.on_denied(denied.status_code)
             return await denied(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
 
@@ -130,7 +135,9 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     for r in (completions.router, chat.router, models.router, backends.router, kv_events.router):
         app.include_router(r)
     _install_error_handlers(app, metrics, config.api_key)
-    app.add_middleware(RequestGate, config=config)
+    app.add_middleware(RequestGate, config=config,
+                       on_denied=lambda status: metrics.http_errors.labels(metrics.model,
+                                                                           str(status)).inc())
     _pin_model_name(app, config.model_name)
     return app
 

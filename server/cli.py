@@ -57,6 +57,19 @@ def _field_doc(name: str) -> str:
     return ""
 
 
+def _limit_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives threads that allocate their own malloc arenas; with the tier pools' threads
+    moving 0.7 MB blocks, a 10-minute soak (bench/soak.py) grew RSS ~227 MiB/h, and
+    MALLOC_ARENA_MAX=2 kept it flat. An explicit MALLOC_ARENA_MAX wins; off glibc, nothing."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in FIELDS}
     try:
@@ -66,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _limit_malloc_arenas()
     secrets = _secrets(config)
     redact_log_output(secrets)
     log.info("settings: %s", config.describe())

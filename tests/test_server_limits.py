@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import MODEL, run_server
+from server_fixtures import MODEL, run_server, scrape
 
 TESTS = Path(__file__).resolve().parent
 
@@ -158,6 +158,7 @@ def test_max_tokens_over_the_limit_is_400_with_the_range(limited):
 
 def test_body_over_max_body_bytes_is_413_with_or_without_a_length(limited):
     url = limited.v1 + "/completions"
+    counted = scrape(limited).get('tierserve:http_errors_total{status=413}', 0.0)
     big = json.dumps({"model": MODEL, "prompt": "hi", "user": "x" * (17 << 10)}).encode()
     r = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "16384 bytes" in r.json()["error"]["message"]
@@ -170,6 +171,7 @@ def test_body_over_max_body_bytes_is_413_with_or_without_a_length(limited):
                    timeout=30)
     assert "content-length" not in r.request.headers
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert scrape(limited)['tierserve:http_errors_total{status=413}'] == counted + 2  # both counted
     r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1,
                               "user": "x" * (15 << 10)}, timeout=30)
     assert r.status_code == 200, r.text
