@@ -26,7 +26,7 @@ serve: setup
 # pytest's own script, not `python -m pytest`: that puts the checkout first on sys.path, where
 # the kernels/ folder would shadow Hugging Face's top-level `kernels` (which transformers imports).
 test: setup
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=25 tests
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow" tests

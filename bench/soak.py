@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,8 @@ import httpx  # noqa: E402
 import soak_report  # noqa: E402
 import soak_traffic as traffic  # noqa: E402
 from s3_fixtures import BUCKET, CREDENTIALS, WeedServer, _die_with_parent, weed_binary  # noqa: E402
-from server_fixtures import RunningServer, _wait_healthy, free_port, scrape  # noqa: E402
+from server_fixtures import (RunningServer, free_port, scrape, server_process,  # noqa: E402
+                             wait_healthy)
 from tierserve.engine.kv_tiers.config import TierConfig  # noqa: E402 - no torch
 
 MAX_NUM_SEQS, MAX_QUEUE = 4, 4
@@ -195,24 +195,23 @@ class DiskFault:
         return self
 
     def break_(self) -> None:
-        if self.how == "tmpfs":
-            _remount(self.root, "ro")
-        elif self.how == "chmod":
-            self._chmod(0o555)
-        else:
-            self.dir.rename(self.root / "kv.away")
-            self.dir.write_bytes(b"")
-        self.broken = True
+        self._set_broken(True)
 
     def restore(self) -> None:
+        self._set_broken(False)
+
+    def _set_broken(self, broken: bool) -> None:
         if self.how == "tmpfs":
-            _remount(self.root, "rw")
+            _remount(self.root, "ro" if broken else "rw")
         elif self.how == "chmod":
-            self._chmod(0o755)
+            self._chmod(0o555 if broken else 0o755)
+        elif broken:
+            self.dir.rename(self.root / "kv.away")
+            self.dir.write_bytes(b"")
         else:
             self.dir.unlink()
             (self.root / "kv.away").rename(self.dir)
-        self.broken = False
+        self.broken = broken
 
     def _chmod(self, mode: int) -> None:
         for d in [self.dir, *self.dir.rglob("*")]:
@@ -247,7 +246,6 @@ def _sh(*cmd: str) -> bool:
 def serve(cfg: SoakConfig, work: Path, s3_url: str, disk_dir: Path) -> Iterator[RunningServer]:
     """`tierserve serve` with the three tiers; SIGTERM at exit (SIGKILL if it lingers)."""
     port = free_port()
-    log_path = work / "server.log"
     cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--port", str(port),
            "--log-level", "warning", "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN),
@@ -257,21 +255,10 @@ def serve(cfg: SoakConfig, work: Path, s3_url: str, disk_dir: Path) -> Iterator[
            "--disk-tier-bytes", cfg.disk_tier, "--s3-bucket", BUCKET,
            "--s3-endpoint-url", s3_url, "--s3-region", "us-east-1"]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **CREDENTIALS)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
-    server = RunningServer(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        _wait_healthy(server, 600)  # the first start on a box compiles the native kernels
+    with server_process(cmd, port, work / "server.log", env, stop_grace=60,
+                        preexec_fn=_die_with_parent) as server:
+        wait_healthy(server, 600)  # the first start on a box compiles the native kernels
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # ---- the run -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -43,30 +43,46 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def run_server(tmp_dir: Path, *args: str, timeout: float = 180.0) -> Iterator[RunningServer]:
-    """The server with small, fast settings plus `args`; stopped (SIGTERM, then kill) at exit."""
+    """The server with small, fast settings plus `args`, healthy; stopped at exit."""
     port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--port", str(port),
            "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "2048", "--log-level",
            "warning", *args]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    with server_process(cmd, port, tmp_dir / f"server-{port}.log", env) as server:
+        wait_healthy(server, timeout)
+        yield server
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, log_path: Path, env: dict[str, str], *,
+                   cwd: Path = ROOT, stop_grace: float = 30.0,
+                   preexec_fn: Callable[[], None] | None = None) -> Iterator[RunningServer]:
+    """`cmd`, a server that listens on 127.0.0.1:`port`, run with its output in `log_path`;
+    not waited on (see `wait_healthy`). At exit, `stop_server`."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=preexec_fn)
     server = RunningServer(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        _wait_healthy(server, timeout)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(server, stop_grace)
 
 
-def _wait_healthy(server: RunningServer, timeout: float) -> None:
+def stop_server(server: RunningServer, grace: float = 30.0) -> None:
+    """SIGTERM (a clean shutdown), then SIGKILL if it lingers past `grace` s."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def wait_healthy(server: RunningServer, timeout: float) -> None:
+    """Until GET /health answers 200; raises (with the log) if it exits or `timeout` s pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:

@@ -11,8 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sysconfig
 import time
@@ -28,6 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the copy pip vendors
     from pip._vendor import tomli as tomllib
 
+from server_fixtures import free_port, server_process
 from tierserve.server.cli import build_parser, cmd_serve
 from tierserve.server.config import FIELDS, ServerConfig, load_config
 
@@ -229,12 +228,6 @@ def test_compose_replicas_share_one_s3_tier(compose, entrypoint, image):
     assert "healthcheck" in weed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_installed_wheel_serves_as_the_image_does(wheel_venv, image, entrypoint, tmp_path):
     """The image's steps on this box: the wheel installed non-editable in a fresh venv (conftest),
     its console script run from outside the checkout with the ENTRYPOINT, the image's ENV and a
@@ -255,7 +248,7 @@ def test_installed_wheel_serves_as_the_image_does(wheel_venv, image, entrypoint,
     assert r.returncode == 0, r.stderr
     assert "--kv-tiers" in r.stdout and "--s3-endpoint-url" in r.stdout
 
-    port = _free_port()
+    port = free_port()
     env["TIERSERVE_PORT"] = str(port)
     health = last(image["final"], "HEALTHCHECK")
     probe = json.loads(health[health.index("CMD") + 3:])
@@ -264,21 +257,19 @@ def test_installed_wheel_serves_as_the_image_does(wheel_venv, image, entrypoint,
     def check() -> subprocess.CompletedProcess:
         return subprocess.run(probe, cwd=work, env=env, capture_output=True, text=True, timeout=30)
 
-    log = tmp_path / "server.log"
     cmd = [str(script), *entrypoint[1:], "--host", "127.0.0.1", "--port", str(port),
            "--kv-tiers", "cpu,disk", "--attention-backend", "torch_sdpa",
            "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "1024", "--log-level", "warning"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+    with server_process(cmd, port, tmp_path / "server.log", env, cwd=work,
+                        stop_grace=60) as server:
         assert check().returncode != 0  # nothing listens yet: the probe must be able to fail
         deadline = time.monotonic() + 180
         while (probed := check()).returncode != 0:
-            assert proc.poll() is None, log.read_text()[-3000:]
+            assert server.proc.poll() is None, server.log()[-3000:]
             assert time.monotonic() < deadline, f"HEALTHCHECK failing:\n{probed.stderr[-1500:]}"
             time.sleep(0.5)
         prompt = "The quick brown fox jumps over the lazy dog. " * 6  # > 3 blocks of 16 tokens
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+        r = httpx.post(f"{server.v1}/completions", timeout=120,
                        json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2})
         assert r.status_code == 200, r.text
         kv = tmp_path / "cache" / "kv"
@@ -286,12 +277,5 @@ def test_installed_wheel_serves_as_the_image_does(wheel_venv, image, entrypoint,
         while not list(kv.rglob("*.safetensors")):
             assert time.monotonic() < deadline, f"no disk tier files under {kv}"
             time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert server.proc.returncode == 0, server.log()[-3000:]
     assert check().returncode != 0

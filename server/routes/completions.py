@@ -64,7 +64,7 @@ def _prompts(ctx: ServerContext, prompt) -> tuple[list[list[int]], list[str]]:
         else:
             bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
-                raise bad_request(f"token id {bad} is out of range [0, {vocab})", "prompt")
+                raise bad_request(f"prompt: token id {bad} is out of range [0, {vocab})", "prompt")
             ids.append(list(p))
             texts.append(tok.decode(p, skip_special_tokens=False))
     return ids, texts

@@ -56,7 +56,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     vocab = ctx.engine.tokenizer.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
+        raise bad_request(f"tokens: token id {bad} is out of range [0, {vocab})", "tokens")
     return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))
 
 
