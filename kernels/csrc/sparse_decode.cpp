@@ -16,9 +16,10 @@
 //                                     their KV heads; += nanoseconds of selection over threads
 //
 // Where a head's n = ceil(context / block) blocks fit in topk (or topk is 0), all are attended in
-// order by the same arithmetic as paged_decode.cpp (its tasks, generalized to a list of blocks),
-// so the result is bit-identical to dense decode.
+// order by the same code as paged_decode.cpp (paged_attention.h, over a list of blocks), so the
+// result is bit-identical to dense decode.
 #include "ops.h"
+#include "paged_attention.h"
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -28,70 +29,20 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
-#include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TS_AVX2 1
-#endif
 
 namespace {
 
-// ---- helpers shared with paged_decode.cpp's tasks (same code: same rounding) ----------------
-
-#ifdef TS_AVX2
-inline __m256 hsum8(const __m256* v) {
-  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-template <int G, int D>
-inline void scores8(const float (&q)[G][D], const float* k, float* s, int64_t n) {
-  for (int g = 0; g < G; ++g) {
-    __m256 part[8];
-    for (int i = 0; i < 8; ++i) {
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q[g]), _mm256_loadu_ps(k + i * D));
-      for (int d = 8; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), _mm256_loadu_ps(k + i * D + d), acc);
-      part[i] = acc;
-    }
-    _mm256_storeu_ps(s + g * n, hsum8(part));
-  }
-}
-#endif
-
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
-}
-
-inline float softmax_inplace(float* s, int64_t n) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = fast_exp(s[t] - m);
-    sum += s[t];
-  }
-  return 1.f / sum;
-}
+using ts::paged::prefetch_block;
 
 // ---- one layer's inputs ----------------------------------------------------------------------
 
-struct Layer {
-  const float* q;
-  const void *k, *v;            // fp32 or at::Half, as the task's T
+// The attention inputs (paged_attention.h) and the selection's.
+struct Layer : ts::paged::Attn {
   const float *smin, *smax;     // [Hkv, NB, D] each
-  const int64_t *tables, *lens, *topk;
+  const int64_t* topk;
   int32_t* sel;                 // selected[b, h, :sel_w] at sel + b * sel_b + h * sel_h
-  float* out;
-  int64_t H, Hkv, S, NB, D, G, max_blocks, block_size, q_row, sel_b, sel_h, sel_w;
-  float scale;
+  int64_t NB, sel_b, sel_h, sel_w;
 };
 
 // Per-thread scratch, reused across tasks.
@@ -166,187 +117,22 @@ int64_t select_blocks(const Layer& a, int64_t b, int64_t h, Scratch& s, int32_t*
   return k;
 }
 
-// ---- attention over a list of blocks ---------------------------------------------------------
-
-constexpr int64_t kAhead = 2;  // blocks prefetched ahead, as paged_decode.cpp
-
-template <typename T>
-inline void prefetch_kv(const Layer& a, const T* kh, const T* vh, int64_t block, int64_t D) {
-  const int64_t off = block * a.block_size * D;
-  prefetch_block(kh + off, a.block_size * D * sizeof(T));
-  prefetch_block(vh + off, a.block_size * D * sizeof(T));
-}
-
-// paged_decode.cpp's task_fixed over the logical blocks sel[0..count) instead of 0..n-1: one
-// pass, online softmax, blocks kAhead on prefetched. With sel = 0..n-1 it is the same arithmetic.
-template <typename T, int G, int D, int BS>
-void attend_fixed(const Layer& a, int64_t b, int64_t h, const int32_t* sel, int64_t count,
-                  Scratch&) {
-  constexpr bool kWiden = !std::is_same_v<T, float>;
-  const int64_t n = a.lens[b];
-  const int64_t* table = a.tables + b * a.max_blocks;
-  const T* kh = static_cast<const T*>(a.k) + h * a.S * D;
-  const T* vh = static_cast<const T*>(a.v) + h * a.S * D;
-  alignas(64) float kbuf[kWiden ? BS * D : 1], vbuf[kWiden ? BS * D : 1];
-  float q[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) q[g][d] = a.q[b * a.q_row + (h * G + g) * D + d] * a.scale;
-  for (int64_t j = 0; j < kAhead && j < count; ++j) prefetch_kv(a, kh, vh, table[sel[j]], D);
-  alignas(64) float s[G][BS];
-  float mx[G], sum[G];
-  float acc[G][D] = {};
-  for (int g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t blk = table[sel[j]];
-    const T* kn = j + kAhead < count ? kh + table[sel[j + kAhead]] * BS * D : nullptr;
-    const T* vn = j + kAhead < count ? vh + table[sel[j + kAhead]] * BS * D : nullptr;
-    const int64_t m = std::min<int64_t>(BS, n - sel[j] * BS);
-    const float* kb = kv_row(kh + blk * BS * D, kbuf, m * D);
-    const float* vb = kv_row(vh + blk * BS * D, vbuf, m * D);
-    int64_t i = 0;
-#ifdef TS_AVX2
-    if constexpr (D % 8 == 0)
-      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], BS);
-#endif
-    for (; i < m; ++i) {
-      const float* krow = kb + i * D;
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += q[g][d] * krow[d];
-        s[g][i] = dot;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      for (int64_t t = m; t < BS; ++t) s[g][t] = -INFINITY;
-      float bm = mx[g];
-#pragma omp simd reduction(max : bm)
-      for (int t = 0; t < BS; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
-      if (bm > mx[g]) {
-        const float c = fast_exp(mx[g] - bm);
-        sum[g] *= c;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] *= c;
-        mx[g] = bm;
-      }
-#pragma omp simd
-      for (int t = 0; t < BS; ++t) s[g][t] = fast_exp(s[g][t] - bm);
-      for (int64_t t = m; t < BS; ++t) s[g][t] = 0.f;
-      float bsum = 0.f;
-#pragma omp simd reduction(+ : bsum)
-      for (int t = 0; t < BS; ++t) bsum += s[g][t];
-      sum[g] += bsum;
-    }
-    for (int64_t t = 0; t < m; ++t) {
-      const float* vrow = vb + t * D;
-      if (kn != nullptr)
-        for (int d = 0; d < D; d += 64 / static_cast<int>(sizeof(T))) {
-          __builtin_prefetch(kn + t * D + d, 0, 1);
-          __builtin_prefetch(vn + t * D + d, 0, 1);
-        }
-      for (int g = 0; g < G; ++g) {
-        const float w = s[g][t];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += w * vrow[d];
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* o = a.out + (b * a.H + h * G + g) * D;
-    const float inv = 1.f / sum[g];
-    for (int d = 0; d < D; ++d) o[d] = acc[g][d] * inv;
-  }
-}
-
-// paged_decode.cpp's task_generic (any group size and head dim: scores, softmax, weighted sum of
-// V rows) over the tokens of the blocks sel[0..count), in order.
-template <typename T>
-void attend_generic(const Layer& a, int64_t b, int64_t h, const int32_t* sel, int64_t count,
-                    Scratch& scratch) {
-  const int64_t n = a.lens[b], bs = a.block_size, G = a.G, D = a.D;
-  const int64_t* table = a.tables + b * a.max_blocks;
-  const float* qg = a.q + b * a.q_row + h * G * D;
-  float* og = a.out + (b * a.H + h * G) * D;
-  const T* kc = static_cast<const T*>(a.k) + h * a.S * D;
-  const T* vc = static_cast<const T*>(a.v) + h * a.S * D;
-  int64_t ntok = 0;
-  for (int64_t j = 0; j < count; ++j) ntok += std::min<int64_t>(bs, n - sel[j] * bs);
-  scratch.attn.resize(G * ntok + D);
-  float* s = scratch.attn.data();
-  float* row = s + G * ntok;
-  // the cache row of the t-th attended token, visiting them in order
-  auto each_row = [&](auto&& fn) {
-    for (int64_t j = 0, t = 0; j < count; ++j) {
-      const int64_t m = std::min<int64_t>(bs, n - sel[j] * bs);
-      for (int64_t o = 0; o < m; ++o, ++t) fn(t, (table[sel[j]] * bs + o) * D);
-    }
-  };
-  each_row([&](int64_t t, int64_t off) {
-    const float* krow = kv_row(kc + off, row, D);
-    for (int64_t g = 0; g < G; ++g) {
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += qg[g * D + d] * krow[d];
-      s[g * ntok + t] = acc * a.scale;
-    }
-  });
-  std::vector<float> inv(G);
-  for (int64_t g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * ntok, ntok);
-  std::fill(og, og + G * D, 0.f);
-  each_row([&](int64_t t, int64_t off) {
-    const float* vrow = kv_row(vc + off, row, D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * ntok + t] * inv[g];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) og[g * D + d] += w * vrow[d];
-    }
-  });
-}
-
-using AttendFn = void (*)(const Layer&, int64_t, int64_t, const int32_t*, int64_t, Scratch&);
-
-template <typename T>
-AttendFn pick(int64_t G, int64_t D, int64_t block_size) {
-#define TS_CASE(g, d, bs) \
-  if (G == g && D == d && block_size == bs) return attend_fixed<T, g, d, bs>;
-#define TS_CASES(bs)                                                                          \
-  TS_CASE(1, 64, bs) TS_CASE(2, 64, bs) TS_CASE(3, 64, bs) TS_CASE(4, 64, bs) TS_CASE(8, 64, bs) \
-  TS_CASE(1, 128, bs) TS_CASE(2, 128, bs) TS_CASE(4, 128, bs) TS_CASE(8, 128, bs)
-  TS_CASES(16) TS_CASES(32)
-#undef TS_CASES
-#undef TS_CASE
-  return attend_generic<T>;
-}
-
 Layer make_layer(const torch::Tensor& q, const torch::Tensor& kv_cache,
                  const torch::Tensor& summary, const torch::Tensor& block_tables,
                  const torch::Tensor& context_lens, int64_t block_size, double scale,
                  const torch::Tensor& topk, const torch::Tensor& selected,
                  const torch::Tensor& out) {
   Layer a;
-  a.H = q.size(1);
-  a.D = q.size(2);
-  a.Hkv = kv_cache.size(1);
-  a.S = kv_cache.size(2);
+  static_cast<ts::paged::Attn&>(a) =
+      ts::paged::make_attn(q, kv_cache, block_tables, context_lens, block_size, scale, out);
   a.NB = summary.size(2);
-  a.G = a.H / a.Hkv;
-  a.max_blocks = block_tables.size(1);
-  a.block_size = block_size;
-  a.scale = static_cast<float>(scale);
-  a.q = q.data_ptr<float>();
-  a.q_row = q.stride(0);
-  a.k = kv_cache.data_ptr();
-  a.v = static_cast<const char*>(a.k) + a.Hkv * a.S * a.D * kv_cache.element_size();
   a.smin = summary.data_ptr<float>();
   a.smax = a.smin + a.Hkv * a.NB * a.D;
-  a.tables = block_tables.data_ptr<int64_t>();
-  a.lens = context_lens.data_ptr<int64_t>();
   a.topk = topk.data_ptr<int64_t>();
   a.sel = selected.data_ptr<int32_t>();
   a.sel_b = selected.stride(0);
   a.sel_h = selected.stride(1);
   a.sel_w = selected.size(2);
-  a.out = out.data_ptr<float>();
   return a;
 }
 
@@ -394,8 +180,7 @@ torch::Tensor sparse_paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch
   auto out = torch::empty({B, q.size(1) * q.size(2)}, q.options());
   const Layer a = make_layer(q, kv_cache, summary, block_tables, context_lens, block_size, scale,
                              topk, selected, out);
-  const AttendFn fn = kv_cache.scalar_type() == at::kHalf ? pick<at::Half>(a.G, a.D, block_size)
-                                                          : pick<float>(a.G, a.D, block_size);
+  const auto fn = ts::paged::pick<ts::paged::Blocks>(a, kv_cache);
   // One item per (sequence, KV head), b-major; cost ~ tokens attended plus the summaries scored
   // (a summary is 2 rows against a block's 2 * block_size).
   std::vector<int64_t> cost(B * a.Hkv);
@@ -426,7 +211,7 @@ torch::Tensor sparse_paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch
         const int64_t kept = dense ? 0 : count;
         std::copy(list, list + kept, sel);
         std::fill(sel + kept, sel + a.sel_w, -1);
-        fn(a, b, h, list, count, scratch);
+        fn(a, b, h, {list, count}, scratch.attn);
       }
   });
   double* st = stats.data_ptr<double>();
