@@ -74,8 +74,12 @@ def test_route_table(query, installed, expected, reasons):
 
 def test_sparse_and_impossible_override_fail_with_reasons():
     sparse = RouteQuery("cpu", F32, "auto", 64, 9, 3, 16, sparse=True)
-    with pytest.raises(ValueError, match="cpu_native: no sparse attention support"):
-        route(sparse)
+    chosen = route(sparse)  # only cpu_native runs sparse decode
+    assert chosen.backend == "cpu_native"
+    assert chosen.rejected["torch_sdpa"] == "no sparse attention support"
+    cuda = RouteQuery("cuda", BF16, "auto", 128, 32, 8, 16, capability=(9, 0), sparse=True)
+    with pytest.raises(ValueError, match="triton: no sparse attention support"):
+        route(cuda)
     cpu = q("cpu", None, F32, 64, 9, 3)
     with pytest.raises(ValueError, match=r"triton cannot run prefill here: device cpu not in"):
         route_phases(cpu, "triton")
@@ -120,11 +124,13 @@ def test_backends_endpoint():
     from tierserve.engine.device import DeviceChoice, DtypeChoice
     from tierserve.server.routes import backends
     routes = route_phases(q("cpu", None, F32, 64, 9, 3, "fp8_e4m3"))
-    runner = SimpleNamespace(backend=SimpleNamespace(name="torch_sdpa"), routes=routes,
-                             kv_dtype=torch.float8_e4m3fn)
+    from tierserve.engine.config import EngineConfig, SparseConfig
+    from tierserve.kernels.torch_sdpa import TorchSdpaBackend
+    runner = SimpleNamespace(backend=TorchSdpaBackend, routes=routes, kv_dtype=torch.float8_e4m3fn)
     app = FastAPI()
     engine = SimpleNamespace(runner=runner, device_choice=DeviceChoice("cpu", "auto: no GPU"),
-                             dtype_choice=DtypeChoice("float32", "auto: float32 on the CPU"))
+                             dtype_choice=DtypeChoice("float32", "auto: float32 on the CPU"),
+                             config=EngineConfig(sparse=SparseConfig(topk_ratio=0.25)))
     app.state.ctx = SimpleNamespace(engine=SimpleNamespace(engine=engine))
     app.include_router(backends.router)
     body = TestClient(app).get("/v1/backends").json()
@@ -133,6 +139,9 @@ def test_backends_endpoint():
     assert body["kv_cache_dtype"] == "float8_e4m3fn"
     assert body["decode"]["backend"] == "torch_sdpa"
     assert body["decode"]["rejected"]["cpu_native"].startswith("KV dtype fp8_e4m3")
+    # configured, but torch_sdpa cannot run it: decodes stay dense, and the endpoint says so
+    assert body["sparse_decode"]["enabled"] and not body["sparse_decode"]["active"]
+    assert body["sparse_decode"]["topk_ratio"] == 0.25
 
 
 def test_engine_refuses_impossible_backend():
