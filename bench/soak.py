@@ -83,6 +83,11 @@ kv-load (4, TierConfig.load_workers) and kv-s3-probe (8, s3_probe_batch), 16 in 
 may not reach each pool's peak concurrency, so up to 16 more may appear later; every other thread
 (engine loop, tier writers, torch's) starts with the server. A per-request leak passes 16 within
 the first few dozen requests (the short soak serves hundreds)."""
+STORE_QUEUES = 2 * TierConfig().store_queue_depth * 30 * 2 * 3 * 16 * 64 * 4
+"""The disk and s3 tiers' store queues at their bound: 64 blocks each of the embedded model's
+737,280 bytes (30 layers x K,V x 3 KV heads x 16 tokens x 64 x fp32). While a tier is down its
+queue fills; glibc keeps that high-water mark after it drains (a long soak's RSS rises in steps
+during the first outages, then stays flat), so the RSS check allows it on top of RSS_SLACK."""
 RSS_SLACK = 64 << 20
 """64 MiB (~4% of the ~1.7 GB the server holds): malloc arenas and torch's allocator keep freed
 memory, and step buffers of a batch size first seen after the baseline stay. The cpu tier's own
@@ -443,6 +448,7 @@ def _run(cfg: SoakConfig, srv: RunningServer, weed: WeedServer,
         final_metrics=final_metrics, idle=(base_idle, final_idle), after=after,
         server_log_tracebacks=srv.log().count("Traceback"),
         limits={"fd_slack": FD_SLACK, "thread_slack": THREAD_SLACK, "rss_slack": RSS_SLACK,
+                "store_queues": STORE_QUEUES,
                 "backoff": BACKOFF, "max_in_flight": MAX_NUM_SEQS + MAX_QUEUE,
                 "bad_cases": len(cases), "require_loads_from": cfg.require_loads_from})
 

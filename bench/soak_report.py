@@ -242,7 +242,8 @@ def _growth(r: Report) -> list[Check]:
     dfd, dthr = f["fds"] - b["fds"], f["threads"] - b["threads"]
     cpu_growth = max(0.0, _tier(r.final_metrics, "used_bytes", "cpu") -
                      _tier(r.base_metrics, "used_bytes", "cpu"))
-    drss, allowed = f["rss_bytes"] - b["rss_bytes"], lim["rss_slack"] + cpu_growth
+    queues = lim.get("store_queues", 0)
+    drss, allowed = f["rss_bytes"] - b["rss_bytes"], lim["rss_slack"] + cpu_growth + queues
     return [
         Check("fds", dfd <= lim["fd_slack"] and other_f <= other_b,
               f"{b['fds']} -> {f['fds']} ({dfd:+d}, at most +{lim['fd_slack']}); by kind "
@@ -252,7 +253,8 @@ def _growth(r: Report) -> list[Check]:
         Check("rss", drss <= allowed,
               f"{b['rss_bytes'] / MIB:.0f} -> {f['rss_bytes'] / MIB:.0f} MiB "
               f"({drss / MIB:+.1f}, at most +{allowed / MIB:.0f}: slack "
-              f"{lim['rss_slack'] / MIB:.0f} + cpu tier growth {cpu_growth / MIB:.0f})")]
+              f"{lim['rss_slack'] / MIB:.0f} + cpu tier growth {cpu_growth / MIB:.0f} + store "
+              f"queues {queues / MIB:.0f})")]
 
 
 # ---- printing ----------------------------------------------------------------------------------
