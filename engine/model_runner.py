@@ -65,7 +65,7 @@ class ModelRunner:
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.sparse = SparseDecoder(config.sparse, model_cfg.num_layers, model_cfg.num_kv_heads,
                                     model_cfg.head_dim, self.block_size, self.device,
-                                    self._summary_ops())
+                                    self.native)
         self.allocate_kv(num_blocks, max_model_len)
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
@@ -108,13 +108,6 @@ class ModelRunner:
         self.graphs = graphs
         log.info("decode CUDA graphs: %d (batch buckets %s x table widths %s) in %.1f s",
                  graphs.num_graphs, graphs.buckets, graphs.widths, time.perf_counter() - t0)
-
-    def _summary_ops(self):
-        """The native extension when it keeps block summaries for this cache, else None."""
-        ext = self.native
-        if ext is None or not hasattr(ext, "kv_summary_update_"):
-            return None
-        return ext
 
     def profile_activation_peak(self) -> int:
         """Peak CUDA bytes allocated by one step of max_num_batched_tokens prompt tokens, above

@@ -186,8 +186,6 @@ class LlamaForCausalLM(nn.Module):
                 or batch < self.stack_decode_min_batch):
             return None
         ctx = get_forward_context()
-        if ctx.sparse is not None and not hasattr(self.ops, "decode_forward_sparse"):
-            return None
         decode_only = getattr(ctx.backend, "decode_only", None)
         meta = decode_only(ctx.metadata) if decode_only is not None else None
         if meta is None or meta.batch != batch or not ctx.backend.plain_kv_store(ctx.kv_caches[0]):
