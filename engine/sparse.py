@@ -68,13 +68,15 @@ class SparseDecoder:
             return None
         topk = buffers.topk[:b]
         k = topk.numpy()
-        bs, dense_blocks = self.block_size, 0
+        bs, dense_blocks, widest = self.block_size, 0, 0
         for i in range(b):
             ctx = layout.context_lens[i]
             on = requests[i].hints.sparse_attention
             k[i] = 0 if on is False else self.config.topk(ctx, bs)
+            n = -(-ctx // bs)
             if k[i]:
-                dense_blocks += -(-ctx // bs)
+                dense_blocks += n
+            widest = max(widest, min(n, int(k[i])) if k[i] else n)
         if not dense_blocks:
             return None
         self.stats.steps += 1
@@ -82,7 +84,7 @@ class SparseDecoder:
                                     * (self.num_layers - self.config.dense_layers))
         return SparseStep(self.summaries, self.config.dense_layers,
                           topk.to(self.device, non_blocking=True),
-                          buffers.selected_view(b, int(k.max())), self._acc)
+                          buffers.selected_view(b, int(k.max())), self._acc, widest)
 
     def collect(self) -> None:
         """Move the kernels' accumulator into the stats (once per step that was sparse)."""

@@ -1,7 +1,7 @@
 """CPU backend: decode and prefill attention in C++ kernels that read K/V blocks in place
 (csrc/paged_decode.cpp, csrc/prefill_attention.cpp); shapes the prefill kernel does not take
 (head dim or block size not a multiple of 16, or no AVX2) run their prefill chunks through torch
-SDPA (inherited).
+SDPA (inherited), while decode (dense or sparse) stays native: its kernels take any shape.
 
 The gather that torch_sdpa does for decode writes every context token's K and V to a scratch
 tensor and reads it back: three times the bytes attention needs. For prefill, SDPA runs one call
@@ -51,7 +51,8 @@ class NativePrefillMeta:
 @dataclass
 class NativeMeta:
     decode: NativeDecodeMeta | None
-    prefill: NativePrefillMeta | None
+    prefill: NativePrefillMeta | list | None
+    """The native kernel's metadata, or torch SDPA's PrefillMeta per chunk."""
 
 
 class CpuNativeBackend(TorchSdpaBackend):
@@ -75,18 +76,29 @@ class CpuNativeBackend(TorchSdpaBackend):
         return kv_cache.dtype in (torch.float32, torch.float16) and self.dtype == torch.float32
 
     def build_metadata(self, layout: BatchLayout):
-        if not self.ext.paged_prefill_supported(self.head_dim, layout.block_size):
-            return super().build_metadata(layout)
         b = layout.num_decodes
         decode = self._decode_meta(layout) if b else None
         prefill = None
-        if layout.num_seqs > b:
+        if layout.num_seqs > b and not self.ext.paged_prefill_supported(self.head_dim,
+                                                                         layout.block_size):
+            prefill = self._prefill_metas(layout)  # torch SDPA's, one per chunk
+        elif layout.num_seqs > b:
             starts = layout.query_start[b:]
             prefill = NativePrefillMeta((starts[0], starts[-1]), layout.block_tables[b:].contiguous(),
                                         torch.tensor(starts, dtype=torch.long),
                                         torch.tensor(layout.context_lens[b:], dtype=torch.long),
                                         layout.block_size)
         return NativeMeta(decode, prefill)
+
+    def _prefill_into(self, q, k, v, kv_cache, p, out) -> None:
+        """The step's prefill chunks into their rows of out: the native kernel, or torch SDPA per
+        chunk for shapes it does not take (the decode kernels take any block size and head dim)."""
+        if isinstance(p, list):
+            for chunk in p:
+                out[chunk.q0:chunk.q1] = self._prefill(q, k, v, kv_cache, chunk)
+            return
+        self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
+                                p.block_size, self.scale, out)
 
     def forward(self, q, k, v, kv_cache, meta):
         if not isinstance(meta, NativeMeta):
@@ -97,8 +109,7 @@ class CpuNativeBackend(TorchSdpaBackend):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if d is not None:
             out[:d.batch] = self._decode(q, kv_cache, d)
-        self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
-                                p.block_size, self.scale, out)
+        self._prefill_into(q, k, v, kv_cache, p, out)
         return out
 
     def forward_sparse(self, q, k, v, kv_cache, meta, sparse, layer):
@@ -112,8 +123,7 @@ class CpuNativeBackend(TorchSdpaBackend):
             return dec
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         out[:d.batch] = dec
-        self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
-                                p.block_size, self.scale, out)
+        self._prefill_into(q, k, v, kv_cache, p, out)
         return out
 
     @staticmethod

@@ -186,12 +186,22 @@ def route(q: RouteQuery, override: str | None = None,
 
 def route_phases(q: RouteQuery, override: str | None = None,
                  profile: dict | None = None,
-                 installed: Callable[[str], bool] = _importable) -> dict[str, Route]:
+                 installed: Callable[[str], bool] = _importable,
+                 sparse_decode: bool = False) -> dict[str, Route]:
     """One Route per phase (prefill, decode); raises ValueError with every reason if either
-    phase has no valid backend or the override cannot run."""
+    phase has no valid backend or the override cannot run. sparse_decode (sparse top-k decode is
+    configured): decode goes to a backend that can run it, where one can and no override names
+    the decode backend; otherwise decode routes densely (the engine warns)."""
     forced = parse_override(override)
-    return {p: route(dataclasses.replace(q, phase=p), forced.get(p), profile, installed)
-            for p in PHASES}
+    routes = {p: route(dataclasses.replace(q, phase=p), forced.get(p), profile, installed)
+              for p in PHASES}
+    if sparse_decode and "decode" not in forced:
+        try:
+            routes["decode"] = route(dataclasses.replace(q, phase="decode", sparse=True), None,
+                                     profile, installed)
+        except ValueError:
+            pass
+    return routes
 
 
 def describe(routes: dict[str, Route]) -> str:

@@ -25,6 +25,9 @@ class SparseStep:
     stats: torch.Tensor
     """[2] float64 accumulator: blocks attended (over sequences, KV heads and sparse layers) and
     selection nanoseconds."""
+    max_blocks: int = 0
+    """The most blocks any decode of the step attends (a host int, for kernels that size their
+    grid by it); 0: not known."""
 
     def applies(self, layer: int) -> bool:
         return layer >= self.dense_layers

@@ -52,6 +52,7 @@ class TritonBackend(AttentionBackend):
         min_capability=(8, 0),
         requires=("triton",),
         min_capability_for=(("fp8_e4m3", (8, 9)),),  # fp8e4nv conversions need sm89+
+        sparse=True,
     )
     cuda_graphs = True
     """Decode metadata can live in static device tensors (static_decode_metadata), so decode
@@ -103,6 +104,26 @@ class TritonBackend(AttentionBackend):
         b, width = tables.shape
         split_len, splits = self._splits(b, width * page_size)
         return TritonMeta(TritonDecodeMeta(b, tables, lens, page_size, split_len, splits), None)
+
+    def forward_sparse(self, q, k, v, kv_cache, meta: TritonMeta, sparse, layer):
+        """forward() with the decodes attending their top-k blocks (triton_kernels
+        .sparse_paged_decode): scoring, choice and attention stay on the device. The splits are
+        sized for the most blocks any decode attends (sparse.max_blocks, known on the host)."""
+        if meta.decode is None:
+            return self.forward(q, k, v, kv_cache, meta)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        m = meta.decode
+        longest = sparse.max_blocks * m.page_size if sparse.max_blocks else m.split_len * m.num_splits
+        split_len, splits = self._splits(m.batch, longest)
+        dec = self.k.sparse_paged_decode(
+            q[:m.batch], kv_cache, sparse.summaries[layer], m.tables, m.lens, sparse.topk,
+            m.page_size, split_len, splits, self.num_heads // self.num_kv_heads, self.scale,
+            self.kv_scale, self.block_n, sparse.selected, sparse.stats)
+        if meta.prefill is None:
+            return dec.reshape(m.batch, -1)
+        out = self.forward(q, k, v, kv_cache, TritonMeta(None, meta.prefill))
+        out[:m.batch] = dec.reshape(m.batch, -1)
+        return out
 
     def _prefill_meta(self, lay: BatchLayout, t0: int) -> TritonPrefillMeta:
         dev = self.device

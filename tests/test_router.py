@@ -78,8 +78,12 @@ def test_sparse_and_impossible_override_fail_with_reasons():
     assert chosen.backend == "cpu_native"
     assert chosen.rejected["torch_sdpa"] == "no sparse attention support"
     cuda = RouteQuery("cuda", BF16, "auto", 128, 32, 8, 16, capability=(9, 0), sparse=True)
-    with pytest.raises(ValueError, match="triton: no sparse attention support"):
-        route(cuda)
+    on_gpu = route(cuda, installed=lambda p: True)  # triton runs sparse decode on CUDA
+    assert on_gpu.backend == "triton"
+    assert on_gpu.rejected["flashinfer"] == "no sparse attention support"
+    old_gpu = RouteQuery("cuda", F32, "auto", 128, 32, 8, 16, capability=(7, 5), sparse=True)
+    with pytest.raises(ValueError, match="triton: compute capability 7.5 below 8.0"):
+        route(old_gpu, installed=lambda p: True)
     cpu = q("cpu", None, F32, 64, 9, 3)
     with pytest.raises(ValueError, match=r"triton cannot run prefill here: device cpu not in"):
         route_phases(cpu, "triton")

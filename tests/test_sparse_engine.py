@@ -64,6 +64,19 @@ def test_k_covering_every_block_equals_dense(long_ids, one_call, monkeypatch):
         assert s.outputs[0].token_ids == d.outputs[0].token_ids
 
 
+def test_block_size_the_prefill_kernel_does_not_take(long_ids):
+    """Block size 8 (prefill runs through torch SDPA): decode stays on the native kernels, so
+    sparse decode still runs (counted) and a small K changes what is attended, not the shape."""
+    llm = LLM(block_size=8, sparse_topk_blocks=6, sparse_min_context=0, sparse_dense_layers=2,
+              max_model_len=1024, num_blocks=300)
+    assert not llm.engine.runner.backend.ext.paged_prefill_supported(64, 8)
+    out = llm.generate([long_ids[:500]], SamplingParams(max_tokens=8, temperature=0))
+    stats = llm.engine.runner.sparse.stats
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert stats.steps >= 7 and 0 < stats.blocks_attended < stats.blocks_total
+    assert stats.blocks_attended == 6 * 3 * 28 * stats.steps  # K x KV heads x sparse layers
+
+
 def test_teacher_forced_agreement(long_ids, ratio=0.5, floor=0.95):
     """Two dense layers, contexts of 4,000-4,400 tokens: the top-1 next token agrees with dense
     at `floor` of positions or more, reading about `ratio` of the blocks. The issue asks for 95%

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tierserve.kernels import sparse
+from sparse_fixtures import assert_valid_choice, random_batch
 from tierserve.kernels.native import load_extension
 
 ext = load_extension()
@@ -19,24 +20,6 @@ native = pytest.mark.skipif(ext is None, reason="the native extension could not 
 
 SHAPES = [(9, 3, 64), (4, 4, 64), (16, 4, 64), (6, 2, 40)]  # SmolLM2's G=3, G=1, G=4, generic D
 
-
-def _batch(lens, shape, block_size, kv_dtype, seed=0):
-    """Random q, cache and summaries; each sequence's blocks scattered over the cache, block
-    tables padded with -1."""
-    h, hkv, d = shape
-    g = torch.Generator().manual_seed(seed)
-    counts = [-(-n // block_size) for n in lens]
-    total = sum(counts) + 3
-    perm = torch.randperm(total, generator=g)
-    tables = torch.full((len(lens), max(counts)), -1, dtype=torch.long)
-    start = 0
-    for i, c in enumerate(counts):
-        tables[i, :c] = perm[start:start + c]
-        start += c
-    kv = torch.randn(2, hkv, total * block_size, d, generator=g).to(kv_dtype)
-    q = torch.randn(len(lens), h, d, generator=g)
-    summary = sparse.block_summaries(kv, torch.arange(total), block_size)
-    return q, kv, summary, tables, torch.tensor(lens, dtype=torch.long)
 
 
 def _sparse(q, kv, summary, tables, lens, block_size, topk, stats=None):
@@ -53,18 +36,6 @@ def _sparse(q, kv, summary, tables, lens, block_size, topk, stats=None):
     return out, selected
 
 
-def _assert_valid_choice(got, want, scores, lens, block_size):
-    """Selections equal the oracle's, except where two blocks' bounds tie to rounding (the kernel
-    sums them in another order): there the kernel's choice must be a top-k within tolerance."""
-    differ = (got.long() != want).any(-1).nonzero().tolist()
-    for b, h in differ:
-        n = -(-int(lens[b]) // block_size)
-        s = scores[b, h]
-        chosen = set(got[b, h].tolist()[1:-1])
-        others = [j for j in range(1, n - 1) if j not in chosen]
-        assert min(s[j] for j in chosen) >= max(s[j] for j in others) - 1e-4 * s[:n].abs().max()
-    assert len(differ) <= max(1, got.shape[0] * got.shape[1] // 10)
-
 
 @native
 @pytest.mark.parametrize("shape", SHAPES)
@@ -78,12 +49,12 @@ def _assert_valid_choice(got, want, scores, lens, block_size):
 def test_native_matches_reference(shape, kv_dtype, block_size, lens_in_blocks):
     topk = 4
     lens = [blocks * block_size + extra for blocks, extra in lens_in_blocks]
-    q, kv, summary, tables, ctx = _batch(lens, shape, block_size, kv_dtype)
+    q, kv, summary, tables, ctx = random_batch(lens, shape, block_size, kv_dtype)
     out, selected = _sparse(q, kv, summary, tables, ctx, block_size, topk)
     want_out, want_sel = sparse.sparse_decode_ref(q, kv, summary, tables, ctx, block_size,
                                                   shape[2] ** -0.5, topk)
     scores = sparse.block_scores(q, summary, tables, ctx, block_size, shape[0] // shape[1])
-    _assert_valid_choice(selected, want_sel, scores, ctx, block_size)
+    assert_valid_choice(selected, want_sel, scores, ctx, block_size)
     got_ref = sparse.attend_blocks(q, kv, tables, ctx, block_size, shape[2] ** -0.5, selected)
     torch.testing.assert_close(out, got_ref, rtol=1e-4, atol=1e-4)
     if torch.equal(selected.long(), want_sel):
@@ -99,7 +70,7 @@ def test_topk_covering_every_block_is_dense_decode(shape, kv_dtype, extra_topk):
     bs = 16
     lens = [1, 16, 17, 100, 160, 200]
     topk = -(-max(lens) // bs) + extra_topk
-    q, kv, summary, tables, ctx = _batch(lens, shape, bs, kv_dtype, seed=3)
+    q, kv, summary, tables, ctx = random_batch(lens, shape, bs, kv_dtype, seed=3)
     stats = torch.zeros(2, dtype=torch.float64)
     out, selected = _sparse(q, kv, summary, tables, ctx, bs, topk, stats)
     dense = ext.paged_decode(q, kv, tables, ctx, bs, shape[2] ** -0.5)
@@ -117,12 +88,12 @@ def test_topk_per_sequence(kv_dtype):
     """Each sequence its own topk; 0 attends every block (paged_decode's rows to the bit) and
     records no selection; only sequences with a topk count in stats."""
     bs, lens, topk = 16, [300, 300, 45, 500, 17], [4, 0, 6, 9, 0]
-    q, kv, summary, tables, ctx = _batch(lens, (9, 3, 64), bs, kv_dtype, seed=9)
+    q, kv, summary, tables, ctx = random_batch(lens, (9, 3, 64), bs, kv_dtype, seed=9)
     stats = torch.zeros(2, dtype=torch.float64)
     out, selected = _sparse(q, kv, summary, tables, ctx, bs, topk, stats)
     want_out, want_sel = sparse.sparse_decode_ref(q, kv, summary, tables, ctx, bs, 0.125, topk)
     scores = sparse.block_scores(q, summary, tables, ctx, bs, 3)
-    _assert_valid_choice(selected, want_sel, scores, ctx, bs)
+    assert_valid_choice(selected, want_sel, scores, ctx, bs)
     torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
     dense = ext.paged_decode(q, kv, tables, ctx, bs, 0.125).view(len(lens), -1)
     assert torch.equal(out[[1, 4]], dense[[1, 4]])
@@ -136,7 +107,7 @@ def test_stats_count_the_attended_blocks():
     """stats[0] sums min(n, topk) over every (sequence, KV head), across calls; stats[1] the
     selection time."""
     bs, topk, lens = 16, 5, [3, 80, 81, 400, 1000]
-    q, kv, summary, tables, ctx = _batch(lens, (9, 3, 64), bs, torch.float32, seed=4)
+    q, kv, summary, tables, ctx = random_batch(lens, (9, 3, 64), bs, torch.float32, seed=4)
     stats = torch.zeros(2, dtype=torch.float64)
     for _ in range(2):
         _sparse(q, kv, summary, tables, ctx, bs, topk, stats)
@@ -150,7 +121,7 @@ def test_planted_block_is_selected(kv_dtype):
     """One block whose keys align with a head group's queries is found among 30, with one free
     choice (topk 3: block 0, the newest and one more), and dominates that group's output."""
     bs, j = 16, 11
-    q, kv, _, tables, ctx = _batch([30 * bs - 7, 30 * bs], (9, 3, 64), bs, kv_dtype, seed=5)
+    q, kv, _, tables, ctx = random_batch([30 * bs - 7, 30 * bs], (9, 3, 64), bs, kv_dtype, seed=5)
     kv = kv * 0.1
     key = q[1, 6:9].mean(0)  # KV head 2 serves query heads 6..8
     slots = tables[1, j] * bs + torch.arange(bs)
@@ -336,7 +307,7 @@ def test_print_sparse_against_dense_decode_time():
           f"{'select us/head':>14}")
     for b in (1, 8):
         layers = max(2, 16 // b)
-        batches = [_batch([ctx] * b, (h, hkv, d), bs, torch.float32, seed=l) for l in range(layers)]
+        batches = [random_batch([ctx] * b, (h, hkv, d), bs, torch.float32, seed=l) for l in range(layers)]
         for threads in (torch.get_num_threads(), 1):
             old = torch.get_num_threads()
             torch.set_num_threads(threads)
