@@ -8,8 +8,10 @@
    width against an always-capacity width, on a batch of one long and many short requests.
 3. Accuracy (--accuracy): teacher-forced top-1 agreement with dense and the perplexity change over
    K from 1/16 to 1/2 of the blocks, two dense layers, on tests/data/long_text.md.
+4. Granularity (--granularity, alone): the same at K = 1/4 with block sizes 4, 8, 16 and 32.
 
     .venv/bin/python bench/sparse.py [--accuracy] [--out docs/]
+    .venv/bin/python bench/sparse.py --granularity
 """
 
 from __future__ import annotations
@@ -142,28 +144,39 @@ def metadata(repeat: int) -> dict:
     return res
 
 
-def accuracy(start: int, positions: int) -> list[dict]:
+def accuracy_at(ratio: float, block_size: int, start: int, positions: int) -> dict:
+    """Teacher-forced agreement and perplexity, sparse K = ratio of the blocks against dense."""
     from tierserve.engine.sparse_eval import agreement, teacher_forced
 
     text = (ROOT / "tests" / "data" / "long_text.md").read_text()
-    rows = []
-    for ratio in (1 / 16, 1 / 8, 1 / 4, 1 / 2):
-        llm = LLM(sparse_topk_ratio=ratio, sparse_dense_layers=2, sparse_min_context=0,
-                  max_model_len=start + positions + 16, num_blocks=2 * (start + positions) // 16 + 8)
-        ids = llm.get_tokenizer().encode(text)[:start + positions]
-        t0 = time.perf_counter()
-        dense, sparse = teacher_forced(
-            llm.engine, ids, start, [False, True],
-            progress=lambda i, n: i % 100 == 0 and log(f"  K={ratio:.4g}: {i}/{n} positions"))
-        st = llm.engine.runner.sparse.stats
-        row = dict(ratio=ratio, agreement=agreement(dense, sparse), ppl_dense=dense.perplexity,
-                   ppl_sparse=sparse.perplexity, attended=st.blocks_attended / st.blocks_total)
-        rows.append(row)
-        log(f"K={ratio:.4g}: agreement {row['agreement']:.3f}, perplexity {row['ppl_dense']:.2f} -> "
-            f"{row['ppl_sparse']:.2f}, blocks attended {row['attended']:.3f} "
-            f"({time.perf_counter() - t0:.0f} s)")
-        del llm
-    return rows
+    n = start + positions
+    llm = LLM(sparse_topk_ratio=ratio, sparse_dense_layers=2, sparse_min_context=0,
+              block_size=block_size, max_model_len=n + 16,
+              num_blocks=2 * (n + 16) // block_size + 8)
+    ids = llm.get_tokenizer().encode(text)[:n]
+    t0 = time.perf_counter()
+    dense, sparse = teacher_forced(
+        llm.engine, ids, start, [False, True],
+        progress=lambda i, k: i % 100 == 0 and log(f"  K={ratio:.4g}, block {block_size}: {i}/{k}"))
+    st = llm.engine.runner.sparse.stats
+    row = dict(ratio=ratio, block_size=block_size, agreement=agreement(dense, sparse),
+               ppl_dense=dense.perplexity, ppl_sparse=sparse.perplexity,
+               attended=st.blocks_attended / st.blocks_total)
+    log(f"K={ratio:.4g}, block size {block_size}: agreement {row['agreement']:.3f}, perplexity "
+        f"{row['ppl_dense']:.2f} -> {row['ppl_sparse']:.2f}, blocks attended "
+        f"{row['attended']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    return row
+
+
+def accuracy(start: int, positions: int) -> list[dict]:
+    """The curve over K at the engine's default block size (16)."""
+    return [accuracy_at(ratio, 16, start, positions) for ratio in (1 / 16, 1 / 8, 1 / 4, 1 / 2)]
+
+
+def granularity(ratio: float, start: int, positions: int) -> list[dict]:
+    """K = ratio of the blocks at block sizes 4-32: the same share of tokens, chosen in finer or
+    coarser pieces."""
+    return [accuracy_at(ratio, bs, start, positions) for bs in (4, 8, 16, 32)]
 
 
 def plot(result: dict, out: Path) -> None:
@@ -219,8 +232,15 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=400, help="accuracy: decoded positions")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     p.add_argument("--replot", action="store_true", help="plot OUT/sparse.json again, no run")
+    p.add_argument("--granularity", action="store_true",
+                   help="only accuracy at K = 1/4 over block sizes 4-32 (OUT/sparse_granularity.json)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.granularity:
+        rows = granularity(0.25, args.start, args.positions)
+        (args.out / "sparse_granularity.json").write_text(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1))
+        return
     if args.replot:
         plot(json.loads((args.out / "sparse.json").read_text()), args.out)
         return

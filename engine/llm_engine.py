@@ -122,6 +122,8 @@ class LLMEngine:
             num_blocks = self._size_gpu_cache(block_bytes, model_len)
         self.pool = BlockPool(num_blocks - self.runner.graph_reserved_blocks, bs,
                               config.cache.enable_prefix_caching)
+        # a sequence can hold only the pool's blocks (not the CUDA graphs' scratch block)
+        self.max_model_len = min(self.max_model_len, self.pool.num_blocks * bs)
         self.runner.capture_graphs(self.pool.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.tier_io = self._tiers(config) if config.kv_tiers is not None else None

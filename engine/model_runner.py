@@ -70,6 +70,9 @@ class ModelRunner:
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
+        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        """Recorded after a step's copies out of the pinned host buffers; the next step's layout
+        waits for it before writing them."""
         self.graphs: DecodeGraphs | None = None
         """Decode CUDA graphs, captured by capture_graphs() once the KV cache has its final size."""
         wanted = wants_graphs(config, self.device, self.backend)  # warns when refused
@@ -239,19 +242,23 @@ class ModelRunner:
                 table_width=layout.block_tables.shape[1], metadata_bytes=nbytes,
                 metadata_seconds=time.perf_counter() - t0)
         t = out.num_batched_tokens
+        dev, b = self.device, self.buffers
         sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
                   if self.backend.capabilities.sparse else None)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), layout.slot_mapping,
+        slots = layout.slot_mapping.to(dev, non_blocking=True)  # once per step, not per layer
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), slots,
                              self.kv_caches, sparse)
+        tokens, positions = (b.tokens[:t].to(dev, non_blocking=True),
+                             b.positions[:t].to(dev, non_blocking=True))
+        if self._uploaded is not None:
+            self._uploaded.record()  # after every copy out of the pinned buffers
         views = (layout.block_tables, layout.slot_mapping, self.buffers.context_lens[:layout.num_seqs],
                  *((sparse.topk, sparse.selected) if sparse else ()))
         facts = dict(table_width=layout.block_tables.shape[1], metadata_bytes=BatchBuffers.nbytes(*views),
                      metadata_seconds=time.perf_counter() - t0)
-        dev, b = self.device, self.buffers
         with forward_context(ctx):
-            hidden = self.model(b.tokens[:t].to(dev, non_blocking=True),
-                                b.positions[:t].to(dev, non_blocking=True))
-        self.sparse.update(self.kv_caches, layout.slot_mapping)
+            hidden = self.model(tokens, positions)
+        self.sparse.update(self.kv_caches, slots)
         if sparse is not None:
             self.sparse.collect()
         return hidden, layout, sample_rows, facts
@@ -267,6 +274,10 @@ class ModelRunner:
         """The step's tokens, positions, slots and block tables, written into the fixed buffers
         (numpy views of their memory: no tensor is allocated)."""
         sched, buf, bs = out.scheduled, self.buffers, self.block_size
+        if self._uploaded is not None:
+            # The previous step's asynchronous copies read these pinned buffers when they run;
+            # a step that did not sample never waited for them (a sampling step syncs anyway).
+            self._uploaded.synchronize()
         qlens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
         starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
         qstart = np.zeros(len(sched) + 1, dtype=np.int64)

@@ -9,6 +9,8 @@ chosen separately, by the router)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -47,6 +49,25 @@ def _tag() -> str:
     return h.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _build_guard(build_dir: str):
+    """One tierserve process builds or loads the extension at a time, under an flock the OS
+    releases when its holder dies. torch's own build lock (a `lock` file that waiters poll until
+    it disappears) stays behind when a build is killed, and every later start would wait on it
+    forever; holding the flock, any such file is stale and is removed."""
+    with open(os.path.join(build_dir, "tierserve.flock"), "w") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building the native CPU kernels in %s", build_dir)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = os.path.join(build_dir, "lock")
+        if os.path.exists(baton):
+            log.warning("removing a stale build lock %s (a build that was killed left it)", baton)
+            os.remove(baton)
+        yield
+
+
 @functools.cache
 def load_extension():
     """The compiled module, or None (with the reason logged) where it cannot be built."""
@@ -57,9 +78,10 @@ def load_extension():
                              "ext", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
-        ext = load(name=name, sources=_SOURCES, build_directory=build_dir,
-                   extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
-                   extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_guard(build_dir):
+            ext = load(name=name, sources=_SOURCES, build_directory=build_dir,
+                       extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
+                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, build error
         log.warning("native CPU kernels unavailable (%s: %s)", type(e).__name__, str(e)[:200])
         return None

@@ -122,3 +122,28 @@ def test_engine_steps_report_width_and_bytes(llm):
     # the 300-word prompt needs ~19-38 blocks: every step's width is 32 or 64 (powers of two)
     widths = {b for b, c in zip(st.table_width.bounds, st.table_width.counts) if c}
     assert widths <= {8, 16, 32, 64, 128, 256}, widths
+
+
+def test_pinned_buffers_are_not_rewritten_while_a_copy_may_read_them(llm, monkeypatch):
+    """On a GPU the step's uploads from the pinned buffers are asynchronous: each step records an
+    event after them, and the next step's layout waits for it before writing (steps that do not
+    sample never sync otherwise). The CPU has no event, so the order is checked through one that
+    logs its calls and what the buffers held when they came."""
+    runner = llm.engine.runner
+    calls = []
+
+    class Logged:
+        def record(self):
+            calls.append(("record", int(runner.buffers.tokens[0])))
+
+        def synchronize(self):
+            calls.append(("wait", int(runner.buffers.tokens[0])))
+
+    monkeypatch.setattr(runner, "_uploaded", Logged())
+    for token in (7, 9):
+        out = _step(runner, [(0, 5)])
+        out.scheduled[0].request.prompt_token_ids[:] = [token] * 5
+        runner.logits(out)  # a step that does not sample
+    # wait (before the buffers change), record (after they are uploaded) on every step
+    assert [c[0] for c in calls] == ["wait", "record", "wait", "record"]
+    assert calls[1][1] == 7 and calls[3][1] == 9 and calls[2][1] == 7

@@ -267,3 +267,29 @@ def test_decode_stack_team_from_two_calling_threads(llm):
         torch.set_num_threads(old)
     assert len(got[0]) == len(got[1]) == 100
     assert all(torch.equal(y, want) for y in got[0] + got[1])
+
+
+def test_a_killed_build_leaves_no_lock_that_hangs_the_next_start(tmp_path):
+    """A server killed while compiling the extension leaves torch's build lock file behind; the
+    next start must not wait on it forever. Here: this build's directory copied to a fresh cache
+    with a stale lock added; a new process loads the extension at once and the lock is gone."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tierserve.kernels.native import _tag
+
+    name = f"tierserve_native_{_tag()}"
+    built = os.path.join(os.path.expanduser(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")),
+                         "ext", name)
+    copy = tmp_path / "ext" / name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "tierserve.flock"))
+    (copy / "lock").write_text("")
+    env = dict(os.environ, TIERSERVE_CACHE=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", "from tierserve.kernels.native import "
+                          "load_extension; assert load_extension() is not None"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "removing a stale build lock" in run.stderr
+    assert not (copy / "lock").exists()
