@@ -63,6 +63,8 @@ class PolicyCounters:
     """Remote tiers not looked up for a short prompt."""
     abandoned: int = 0
     """Loads that ran past their deadline; the rest of the prompt was recomputed."""
+    promoted: int = 0
+    """Blocks loaded from a tier and written to a faster one the request may store to."""
 
 
 class TierIO:
@@ -197,7 +199,37 @@ class TierIO:
         if req.num_preemptions == 0:  # usage counts the first admission's hits only
             for name in sources:
                 req.tier_hit_tokens[name] = req.tier_hit_tokens.get(name, 0) + self.block_size
+        if blocks:
+            self._promote(req, sources, blocks)
         self.scheduler.complete_load(req, ids)
+
+    def _promote(self, req: Request, sources: list[str], blocks: list[torch.Tensor]) -> None:
+        """Write blocks loaded from a slower tier to the faster tiers below the device that the
+        request may store to (s3 -> disk), so the next load of the prefix is local. The cpu
+        tier is left out: it gets the blocks when the device cache evicts them (demote_evicted).
+        Called before complete_load, while req.block_ids is still the device prefix the loaded
+        run follows; counts against the request's max_offload_tokens like any store."""
+        d = req.tier_decision
+        order = list(self.manager.tiers)
+        allowed = set(d.store_tiers if d is not None else order) - {"cpu"}
+        first = len(req.block_ids)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, src in enumerate(sources):
+            faster = tuple(t for t in order[:order.index(src)] if t in allowed)
+            if not faster:
+                continue
+            if d is not None and d.max_store_blocks is not None:
+                if req.num_stored_blocks >= d.max_store_blocks:
+                    break
+                req.num_stored_blocks += 1
+            groups.setdefault(faster, []).append(i)
+        bs = self.block_size
+        for tiers, rows in groups.items():
+            keys = [req.block_hashes[first + i] for i in rows]
+            meta = [(req.block_hashes[first + i - 1] if first + i else None,
+                     tuple(req.token_slice((first + i) * bs, (first + i + 1) * bs))) for i in rows]
+            if self.manager.store(keys, torch.stack([blocks[i] for i in rows]), tiers, meta=meta):
+                self.counters.promoted += len(rows)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step's throughput; steps with a prefill's worth of tokens feed the cost model."""

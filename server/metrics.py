@@ -163,9 +163,14 @@ class _PolicyCollector:
                                 "Tier policy decisions: loads chosen, tiers skipped by budget, "
                                 "cost or a short prompt, loads abandoned at the deadline.",
                                 labels=["model_name", "outcome"])
-        for outcome, n in dataclasses.asdict(self.counters).items():
+        counts = dataclasses.asdict(self.counters)
+        promoted = counts.pop("promoted")
+        for outcome, n in counts.items():
             c.add_metric([self.model, outcome], n)
         yield c
+        yield _counter("tierserve:kv_promoted_blocks", "KV blocks loaded from a tier and written "
+                       "to a faster one the request may store to (s3 -> disk).", promoted,
+                       [self.model])
 
 
 class ServerMetrics:

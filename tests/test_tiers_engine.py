@@ -218,6 +218,45 @@ def test_blocks_the_device_evicts_are_demoted_to_cpu(corpus_ids):
     assert evicted and evicted <= held
 
 
+def test_blocks_loaded_from_s3_are_promoted_to_disk(weed, s3_creds, tmp_path, long_prompt, cold):
+    """A prefix only s3 holds is loaded from s3 and written to disk on the way, so the next load
+    is local; a request that may not store to disk promotes nothing. Tokens stay cold's."""
+    from tierserve.engine.kv_hints import KVHints
+    hit = HIT_TOKENS // 16
+    tiers = TierConfig(tiers=("disk", "s3"), disk_dir=str(tmp_path / "kv"), disk_bytes=256 << 20,
+                       s3_bucket=BUCKET, s3_endpoint_url=weed.endpoint_url, s3_region="us-east-1",
+                       s3_prefix=f"t-{uuid.uuid4().hex[:8]}")
+    llm = _llm(tiers)
+    io = llm.engine.tier_io
+    disk = io.manager.tiers["disk"]
+
+    def again(**kw):
+        assert io.manager.flush(30)
+        llm.engine.pool.reset_prefix_cache()
+        return llm.generate([long_prompt], GREEDY, **kw)[0]
+    try:
+        outs = [llm.generate([long_prompt], GREEDY)[0]]
+        assert io.manager.flush(30) and len(disk.keys()) >= hit
+        io.manager.clear(("disk",))
+        outs.append(again())  # from s3, promoted to disk
+        s3_loaded = io.manager.stats()["s3"].loaded_blocks
+        assert io.manager.flush(30)
+        promoted, on_disk = io.counters.promoted, len(disk.keys())
+        outs.append(again())  # from disk
+        stats = io.manager.stats()
+        io.manager.clear(("disk",))
+        outs.append(again(kv_hints=KVHints(store_tiers=("s3",))))  # from s3, no promotion
+        assert io.manager.flush(30)
+        after_no_store = len(disk.keys())
+    finally:
+        llm.engine.close()
+    assert all(o.outputs[0].token_ids == cold for o in outs)
+    assert [o.num_cached_tokens for o in outs] == [0, HIT_TOKENS, HIT_TOKENS, HIT_TOKENS]
+    assert s3_loaded == hit and promoted == hit <= on_disk  # + the newly full blocks it computed
+    assert stats["disk"].loaded_blocks == hit and stats["s3"].loaded_blocks == s3_loaded
+    assert after_no_store == 0 and io.counters.promoted == hit
+
+
 def test_a_full_then_read_only_disk_tier_never_costs_a_token(tmp_path, long_prompt, cold):
     """The disk tier on a real 20 MiB tmpfs: the prompt's 62 blocks (45 MB) do not fit, stores
     fail as no_space; then the disk is remounted read-only: stores fail as read_only. Every
