@@ -184,3 +184,31 @@ def test_gpu_check_sparse_dry_run(capsys):
     assert "| h4/kv2/d32 | [40, 100, 7] | 3 | 1.000 |" in out and "| bit-equal | yes |" in out
     assert "| greedy tokens, K covering every block = dense | 1 |" in out
     assert "decode tok/s, K = 1/8 (cpu_native)" in out
+
+
+def test_engine_decoding_on_triton_gives_the_native_sparse_tokens(monkeypatch):
+    """The real model and runner with decode on the Triton backend (under the interpreter: the
+    CPU admitted to its device types for this test), prefill on cpu_native: with K = 4 blocks the
+    greedy tokens and the blocks attended equal the native sparse kernel's, through the runner's
+    plan, views and per-layer summaries."""
+    import dataclasses
+    from pathlib import Path
+
+    from tierserve.engine.llm import LLM
+    from tierserve.engine.sampling_params import SamplingParams
+    from tierserve.kernels.triton_attn import TritonBackend
+
+    caps = dataclasses.replace(TritonBackend.capabilities, device_types=("cuda", "cpu"))
+    monkeypatch.setattr(TritonBackend, "capabilities", caps)
+    text = (Path(__file__).parent / "data" / "long_text.md").read_text()
+    kw = dict(sparse_topk_blocks=4, sparse_min_context=0, max_model_len=512, num_blocks=64)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    outs, stats = [], []
+    for backend in ("prefill=cpu_native,decode=triton", None):
+        llm = LLM(attention_backend=backend, **kw)
+        prompt = llm.get_tokenizer().encode(text)[:300]
+        outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        stats.append(llm.engine.runner.sparse.stats)
+    assert outs[0] == outs[1] and len(outs[0]) == 4
+    assert stats[0].blocks_attended == stats[1].blocks_attended == 4 * 3 * 28 * 3
+    assert stats[0].steps == stats[1].steps == 3
