@@ -72,7 +72,8 @@ USER 10001:10001
 WORKDIR /home/tierserve
 EXPOSE 8000
 # GET /health: 200 while the engine loop runs, 503 once it drains or dies; nothing listens until
-# the model is loaded (start-period). The port follows TIERSERVE_PORT when it is set.
+# the model is loaded (start-period). The port follows TIERSERVE_PORT when it is set; with
+# --auth-health-metrics the probe sends the key of TIERSERVE_API_KEY or TIERSERVE_API_KEY_FILE.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('TIERSERVE_PORT', '8000'), timeout=4)"]
+    CMD ["python3", "-m", "tierserve.server.healthcheck"]
 ENTRYPOINT ["tierserve", "serve", "--host", "0.0.0.0"]

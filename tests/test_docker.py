@@ -121,7 +121,10 @@ def test_final_stage_serves_as_the_package_does(image, entrypoint):
     assert last(final, "EXPOSE") == str(ServerConfig().port) == "8000"
     health = last(final, "HEALTHCHECK")
     probe = json.loads(health[health.index("CMD") + 3:])
-    assert probe[0] == "python3" and re.search(r"/health['\"]", probe[-1]) and "'8000'" in probe[-1]
+    assert probe == ["python3", "-m", "tierserve.server.healthcheck"]
+    from tierserve.server import healthcheck  # the module the probe runs: /health, port 8000
+    src = Path(healthcheck.__file__).read_text()
+    assert "/health\")" in src and 'or "8000"' in src
     user = last(final, "USER").split(":")[0]
     assert user not in ("root", "0") and (not user.isdigit() or int(user) > 0)
     env = env_of(final)

@@ -294,3 +294,22 @@ def test_auth_health_metrics_protects_the_probes(tiered):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = httpx.get(base + path, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
         assert r.status_code == 200
+
+
+def test_the_image_healthcheck_sends_the_key_the_server_reads(tiered, tmp_path):
+    """The Docker HEALTHCHECK (python3 -m tierserve.server.healthcheck) against a server whose
+    /health needs a key: it passes with the key in TIERSERVE_API_KEY (first of a comma list) or
+    in TIERSERVE_API_KEY_FILE, fails without one or with a wrong one."""
+    cfg, _ = tiered
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# the probe's key\n\n{KEYS[0]}\nsk-other\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_API_KEY")}
+    base["TIERSERVE_PORT"] = str(cfg.port)
+
+    def probe(**env) -> int:
+        return subprocess.run([sys.executable, "-m", "tierserve.server.healthcheck"],
+                              env={**base, **env}, capture_output=True, timeout=60).returncode
+    assert probe(TIERSERVE_API_KEY=f"{KEYS[0]}, sk-unused") == 0
+    assert probe(TIERSERVE_API_KEY_FILE=str(key_file)) == 0
+    assert probe() == 1
+    assert probe(TIERSERVE_API_KEY="sk-wrong") == 1
