@@ -79,8 +79,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
-    """Memory for the device KV cache; the block count follows from it. None: 1 GiB on the CPU;
-    on a GPU, what gpu_memory_utilization leaves after the weights and a profiled step."""
+    """Memory for the device KV cache (with sparse decode, the blocks' key summaries too); the
+    block count follows from it. None: 1 GiB on the CPU; on a GPU, what gpu_memory_utilization
+    leaves after the weights and a profiled step."""
     num_blocks: int | None = None
     """Exact block count; overrides kv_cache_memory_bytes when set."""
     enable_prefix_caching: bool = True

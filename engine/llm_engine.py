@@ -102,6 +102,9 @@ class LLMEngine:
         bs = config.cache.block_size
         block_bytes = bs * src.config.kv_bytes_per_token(
             kv_elem_size(config.kv_cache_dtype, config.dtype))
+        if config.sparse.enabled:  # each block's key summaries (min, max) in every layer, fp32
+            mc = src.config
+            block_bytes += mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
         model_len = min(config.scheduler.max_model_len, src.config.max_position_embeddings)
         profile_gpu = (config.cache.num_blocks is None and config.cache.kv_cache_memory_bytes is None
                        and self.device_choice.type == "cuda")

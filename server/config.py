@@ -44,8 +44,9 @@ class ServerConfig:
     max_num_batched_tokens: int = 512
     """Token budget of one engine step."""
     kv_cache_memory_bytes: int | None = None
-    """Memory for the KV cache (accepts suffixes: 512MiB, 2GiB); unset: 1 GiB on the CPU, on a GPU
-    what --gpu-memory-utilization leaves after the weights and a profiled step."""
+    """Memory for the KV cache, sparse decode's block summaries included (accepts suffixes:
+    512MiB, 2GiB); unset: 1 GiB on the CPU, on a GPU what --gpu-memory-utilization leaves after
+    the weights and a profiled step."""
     block_size: int = 16
     """Tokens per KV block."""
     enable_prefix_caching: bool = True

@@ -64,6 +64,20 @@ def test_k_covering_every_block_equals_dense(long_ids, one_call, monkeypatch):
         assert s.outputs[0].token_ids == d.outputs[0].token_ids
 
 
+def test_summaries_count_in_the_kv_memory_budget():
+    """With sparse decode the KV budget holds the cache and the blocks' summaries (on a GPU the
+    budget is what gpu_memory_utilization leaves: summaries outside it could run out of
+    memory); without it, the cache alone."""
+    budget = 64 << 20
+    kv_block = 16 * 30 * 2 * 3 * 64 * 4         # tokens x layers x (K, V) x KV heads x dim x fp32
+    summary_block = 30 * 2 * 3 * 64 * 4         # layers x (min, max) x KV heads x dim x fp32
+    sparse = LLM(kv_cache_memory_bytes=budget, sparse_topk_ratio=0.25).engine.runner
+    dense = LLM(kv_cache_memory_bytes=budget).engine.runner
+    assert dense.num_blocks == budget // kv_block and dense.sparse.nbytes == 0
+    assert sparse.num_blocks == budget // (kv_block + summary_block)
+    assert sparse.kv_bytes + sparse.sparse.nbytes <= budget < dense.kv_bytes + sparse.sparse.nbytes
+
+
 def test_block_size_the_prefill_kernel_does_not_take(long_ids):
     """Block size 8 (prefill runs through torch SDPA): decode stays on the native kernels, so
     sparse decode still runs (counted) and a small K changes what is attended, not the shape."""
