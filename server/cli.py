@@ -197,8 +197,7 @@ def _route_query(args: argparse.Namespace):
     from tierserve.kernels.router import RouteQuery
     cap = tuple(int(x) for x in args.capability.split(".")) if args.capability else None
     return RouteQuery(args.device, getattr(torch, args.dtype), args.kv_cache_dtype, args.head_dim,
-                      args.num_heads, args.num_kv_heads, args.page_size, capability=cap,
-                      sparse=getattr(args, "sparse", False))
+                      args.num_heads, args.num_kv_heads, args.page_size, capability=cap)
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -208,7 +207,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     from tierserve.kernels.router import describe, route_phases
     try:
         q = _route_query(args)
-        routes = route_phases(q, args.attention_backend, load_profile(args.profile))
+        routes = route_phases(q, args.attention_backend, load_profile(args.profile),
+                              sparse_decode=args.sparse)
     except (ValueError, AttributeError) as e:
         print(f"tierserve route: {e}", file=sys.stderr)
         return 2
@@ -275,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     rt = sub.add_parser("route", help="print the attention backend decision for a device and shape")
     _add_shape_flags(rt)
-    rt.add_argument("--sparse", action="store_true", help="the model uses sparse attention")
+    rt.add_argument("--sparse", action="store_true",
+                    help="sparse top-k decode is configured: decode goes to a backend that runs it, "
+                         "as the engine routes it (prefill unchanged)")
     rt.add_argument("--attention-backend", default=None,
                     help="validate this choice (NAME or prefill=NAME,decode=NAME)")
     rt.add_argument("--json", action="store_true", help="machine-readable output")

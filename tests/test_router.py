@@ -122,6 +122,14 @@ def test_route_cli_json(capsys):
     assert out["decode"]["rejected"]["cpu_native"] == "device cuda not in ('cpu',)"
     rc = cli_main(["route", "--device", "cpu", "--attention-backend", "flashinfer"])
     assert rc == 2 and "device cpu not in" in capsys.readouterr().err
+    # --sparse: routed as the engine routes sparse top-k decode (decode only)
+    rc = cli_main(["route", "--device", "cuda", "--capability", "9.0", "--dtype", "bfloat16",
+                   "--head-dim", "128", "--num-heads", "32", "--num-kv-heads", "8",
+                   "--profile", "/nonexistent", "--sparse", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["decode"]["backend"] == "triton"
+    assert out["decode"]["rejected"]["torch_sdpa"] == "no sparse attention support"
+    assert "no sparse" not in json.dumps(out["prefill"])
 
 
 def test_backends_endpoint():
