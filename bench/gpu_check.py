@@ -12,7 +12,8 @@ on the 8B-shaped random model. With --serve or --graphs only those parts run (--
 three above). --sparse: the Triton sparse top-k decode (kernels/triton_kernels.py) against the
 torch oracle, bit-equal to dense where K covers every block, attention time dense against sparse
 (K = 1/8) at contexts 1k-32k and batch 1/8/32 on the 8B shape, and the engine with sparse decode
-(greedy tokens equal dense with K covering every block; tok/s at 4k context).
+(greedy tokens equal dense with K covering every block; tok/s at 4k context; eager against CUDA
+graphs).
 
     python bench/gpu_check.py                    # on the GPU machine, < 8 minutes on an H200
     python bench/gpu_check.py --serve --graphs   # on the GPU machine, about 5 minutes on an H100
@@ -373,6 +374,33 @@ def sparse_engine(device: str, dtype: str, tiny: bool) -> list[tuple]:
     return rows
 
 
+def sparse_graphs(device: str, dtype: str, tiny: bool) -> tuple:
+    """(batch, context, eager tok/s, graph tok/s, steps replayed, greedy agreement) of sparse
+    decode (K = 1/8) eager against CUDA graphs on one runner (SmolLM2's shape, random weights)."""
+    cfg = ModelConfig(architecture="llama", **SHAPES["tiny" if tiny else "smollm2-135m"])
+    weights = random_weights(cfg, device, getattr(torch, dtype))
+    ctx, new, batch = (64, 4, 2) if tiny else (4096, 32, 8)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
+    blocks = batch * (-(-(ctx + new) // 16)) + 8
+    backend = "decode=triton" if device == "cuda" else None
+    eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, batch, ctx + new + 16,
+                     cuda_graphs=True, sparse=SparseConfig(topk_ratio=1 / 8, min_context=0))
+    graphs, tok_s, outs = eng.runner.graphs, {}, {}
+    replayed = 0
+    for mode in ("eager", "graphs"):
+        eng.runner.graphs = graphs if mode == "graphs" else None
+        before = graphs.replays if graphs else 0
+        outs[mode], steps = eng.generate(prompts, new)
+        steps = steps[2:] or steps
+        tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
+        if graphs and mode == "graphs":
+            replayed = graphs.replays - before
+    eng.runner.graphs = graphs
+    same = sum(a == c for x, y in zip(outs["eager"], outs["graphs"]) for a, c in zip(x, y))
+    return batch, ctx, tok_s["eager"], tok_s["graphs"], replayed, same / sum(map(len, outs["eager"]))
+
+
 def sparse_section(device: str, dtype: str, tiny: bool) -> bool:
     tdtype = getattr(torch, dtype)
     rows = sparse_kernel_checks(device, tdtype, tiny)
@@ -389,7 +417,13 @@ def sparse_section(device: str, dtype: str, tiny: bool) -> bool:
     print("\n| engine (random SmolLM2-shaped weights) | value |\n|---|---|")
     for what, v in eng:
         print(f"| {what} | {v:.4g} |")
-    return all(r[-1] for r in rows) and eng[-1][1] == 1.0
+    b, ctx, eager, graph, replayed, same = sparse_graphs(device, dtype, tiny)
+    print("\n| sparse K = 1/8, batch | context | eager tok/s | graph tok/s | speed-up "
+          "| steps replayed | greedy agreement |\n|---|---|---|---|---|---|---|")
+    print(f"| {b} | {ctx} | {eager:.1f} | {graph:.1f} | {graph / eager:.2f}x | {replayed} "
+          f"| {same:.3g} |")
+    graphs_ok = (replayed > 0 and same >= 0.9) or device != "cuda"
+    return all(r[-1] for r in rows) and eng[-1][1] == 1.0 and graphs_ok
 
 
 # ---- the server end to end, through the openai client ------------------------------------------

@@ -18,7 +18,8 @@ pinned host staging buffer laid out like the device one (int64):
     [M, 2M)       positions
     [2M, 3M)      KV slots
     [3M, 4M)      context lengths    (cast to int32 inside the graph, for the kernel)
-    [4M, ...)     block tables, the [bucket, width] view being the first bucket * width entries
+    [4M, 5M)      sparse top-k       blocks each row attends (0: dense; sparse decode only)
+    [5M, ...)     block tables, the [bucket, width] view being the first bucket * width entries
 
 Rows past the batch (padding up to the bucket) are a one-token sequence at position 0 in the
 scratch block: token 0, slot scratch * block_size, context length 1, table row [scratch, PAD...].
@@ -29,7 +30,13 @@ PAD_BLOCK, which the kernels never read (they stop at each row's context length)
 
 Only backends whose decode metadata can be built from static device tensors can be captured: the
 class attribute `cuda_graphs` and a `static_decode_metadata(tables, lens, page_size)` method
-(kernels/triton_attn.py). Others, sparse decode and a CPU device run eagerly, with a warning.
+(kernels/triton_attn.py). Others and a CPU device run eagerly, with a warning.
+
+Sparse top-k decode (a backend with sparse support: triton) is captured too: scoring, choice and
+attention run on the device, so a graph takes each row's top-k from the staged section above
+(padded rows and dense rows 0), its own selected-block buffer, and the layers' summaries and the
+blocks-attended counter at their fixed addresses. With sparse decode configured every replayed
+step runs the sparse kernels (a dense row costs the scoring of its blocks more than eager).
 
 All graphs share one memory pool, so a replay's output is valid until the next replay: the
 runner computes the step's logits from it before the next step.
@@ -47,9 +54,11 @@ import torch
 from tierserve.engine.batch_buffers import PAD_BLOCK, BatchBuffers, active_width, next_power_of_two
 from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tierserve.kernels.composite import PhaseSplit, SplitMeta
+from tierserve.kernels.sparse_plan import SparseStep
 
 if TYPE_CHECKING:
     from tierserve.engine.config import EngineConfig
+    from tierserve.engine.sparse import SparseDecoder
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +97,7 @@ def smallest_at_least(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-def graphs_refusal(device_type: str, backend: AttentionBackend, sparse: bool) -> str | None:
+def graphs_refusal(device_type: str, backend: AttentionBackend) -> str | None:
     """Why decode graphs cannot run here, or None when they can."""
     if device_type != "cuda":
         return f"the device is {device_type}, not cuda"
@@ -96,8 +105,6 @@ def graphs_refusal(device_type: str, backend: AttentionBackend, sparse: bool) ->
     if not getattr(inner, "cuda_graphs", False):
         return (f"the decode backend {inner.name} builds its metadata on the host each step "
                 "(graph-capable: triton; --attention-backend decode=triton)")
-    if sparse:
-        return "sparse decode plans its blocks on the host each step"
     return None
 
 
@@ -106,7 +113,7 @@ def wants_graphs(config: EngineConfig, device: torch.device, backend: AttentionB
     for and cannot, a start-up warning says why and steps run eagerly."""
     if not config.cuda_graphs:
         return False
-    why = graphs_refusal(device.type, backend, config.sparse.enabled)
+    why = graphs_refusal(device.type, backend)
     if why is not None:
         log.warning("--cuda-graphs: not capturing decode CUDA graphs, %s; every step runs "
                     "eagerly", why)
@@ -136,31 +143,40 @@ class Staging:
 
     @property
     def numel(self) -> int:
-        return 4 * self.max_bucket + self.max_bucket * self.max_width
+        return 5 * self.max_bucket + self.max_bucket * self.max_width
 
     def views(self, flat, bucket: int, width: int):
         """(tokens, positions, slots, lens, tables [bucket, width]) views of `flat` (a tensor or
         a numpy array) for one graph."""
         m = self.max_bucket
-        tables = flat[4 * m:4 * m + bucket * width]
+        tables = flat[5 * m:5 * m + bucket * width]
         return (flat[:bucket], flat[m:m + bucket], flat[2 * m:2 * m + bucket],
                 flat[3 * m:3 * m + bucket], tables.reshape(bucket, width))
 
+    def topk(self, flat, bucket: int):
+        """The sparse top-k section's view for one graph."""
+        return flat[4 * self.max_bucket:4 * self.max_bucket + bucket]
+
     def used(self, bucket: int, width: int) -> int:
         """Leading elements a step of this graph copies to the device."""
-        return 4 * self.max_bucket + bucket * width
+        return 5 * self.max_bucket + bucket * width
 
 
 def stage_decode(flat: np.ndarray, lay: Staging, bucket: int, width: int, tokens: np.ndarray,
                  positions: np.ndarray, slots: np.ndarray, lens: np.ndarray, tables: np.ndarray,
-                 scratch_block: int, block_size: int) -> None:
+                 scratch_block: int, block_size: int, topk: np.ndarray | None = None) -> None:
     """Write a decode batch of len(tokens) rows into `flat`, padded to `bucket` rows and `width`
     table columns: real rows as given (tables [rows, w <= width] padded with PAD_BLOCK), padded
-    rows a one-token sequence in the scratch block (see the module docstring)."""
+    rows a one-token sequence in the scratch block (see the module docstring); each row's sparse
+    top-k as given (None: every row dense), padded rows dense."""
     b, w = tables.shape
     tok, pos, slot, ctx, tab = lay.views(flat, bucket, width)
     tok[:b], pos[:b], slot[:b], ctx[:b] = tokens, positions, slots, lens
     tok[b:], pos[b:], slot[b:], ctx[b:] = 0, 0, scratch_block * block_size, 1
+    k = lay.topk(flat, bucket)
+    k[:] = 0
+    if topk is not None:
+        k[:b] = topk
     tab.fill(PAD_BLOCK)
     tab[:b, :w] = tables
     tab[b:, 0] = scratch_block
@@ -179,9 +195,12 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
                  max_num_seqs: int, capacity: int, block_size: int, alignment: int = 8,
-                 max_widths: int = MAX_WIDTHS):
+                 max_widths: int = MAX_WIDTHS, sparse: SparseDecoder | None = None):
         self.model, self.backend, self.device = model, backend, torch.device(device)
         self.block_size = block_size
+        self.sparse = sparse
+        """Sparse top-k decode inside the graphs (its summaries and counter are captured by
+        address: they must not be reallocated after capture), or None: dense graphs."""
         self.buckets = batch_buckets(max_num_seqs)
         self.widths = graph_widths(capacity, alignment, max_widths)
         self.layout = Staging(self.buckets[-1], self.widths[-1])
@@ -189,6 +208,9 @@ class DecodeGraphs:
         self._host = torch.zeros(self.layout.numel, dtype=torch.long, pin_memory=on_gpu)
         self._dev = torch.zeros(self.layout.numel, dtype=torch.long, device=self.device)
         self._lens32 = torch.zeros(self.layout.max_bucket, dtype=torch.int32, device=self.device)
+        self._selected = (torch.full((self.layout.max_bucket, sparse.num_kv_heads,
+                                      self.layout.max_width), -1, dtype=torch.int32,
+                                     device=self.device) if sparse is not None else None)
         self._copied = torch.cuda.Event() if on_gpu else None
         """Recorded after each copy out of the host staging buffer; waited on before refilling."""
         self._entries: dict[tuple[int, int], _Entry] = {}
@@ -223,7 +245,11 @@ class DecodeGraphs:
         tok, pos, slots, lens, tables = self.layout.views(self._dev, bucket, width)
         lens32 = self._lens32[:bucket]
         meta = static_metadata(self.backend, tables, lens32, self.block_size)
-        ctx = ForwardContext(self.backend, meta, slots, kv_caches, None)
+        sp = self.sparse
+        step = (SparseStep(sp.summaries, sp.config.dense_layers, self.layout.topk(self._dev, bucket),
+                           self._selected[:bucket, :, :width], sp.accumulator)
+                if sp is not None else None)
+        ctx = ForwardContext(self.backend, meta, slots, kv_caches, step)
 
         def forward() -> torch.Tensor:
             lens32.copy_(lens)
@@ -261,9 +287,11 @@ class DecodeGraphs:
     def can_replay(self, layout: BatchLayout) -> bool:
         return self.graph_for(layout) is not None
 
-    def replay(self, layout: BatchLayout, buffers: BatchBuffers) -> tuple[torch.Tensor, int]:
+    def replay(self, layout: BatchLayout, buffers: BatchBuffers,
+               topk: np.ndarray | None = None) -> tuple[torch.Tensor, int]:
         """Copy the step's inputs in, replay its graph: (hidden [num_seqs, H], bytes copied).
-        The hidden rows are valid until the next replay."""
+        topk: each row's sparse top-k (engine/sparse.py's plan; None: all dense). The hidden rows
+        are valid until the next replay."""
         bucket, width = self.graph_for(layout)
         b = layout.num_seqs
         if self._copied is not None:
@@ -271,7 +299,7 @@ class DecodeGraphs:
         stage_decode(self._host.numpy(), self.layout, bucket, width, buffers.tokens.numpy()[:b],
                      buffers.positions.numpy()[:b], buffers.slot_mapping.numpy()[:b],
                      buffers.context_lens.numpy()[:b], layout.block_tables.numpy(),
-                     self.scratch_block, self.block_size)
+                     self.scratch_block, self.block_size, topk)
         n = self.layout.used(bucket, width)
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if self._copied is not None:

@@ -104,9 +104,11 @@ class ModelRunner:
         if not self.graph_reserved_blocks:
             return
         t0 = time.perf_counter()
+        sparse = self.sparse if self.config.sparse.enabled and self.backend.capabilities.sparse \
+            else None
         graphs = DecodeGraphs(self.model, self.backend, self.device,
                               self.config.scheduler.max_num_seqs, self.buffers.capacity,
-                              self.block_size)
+                              self.block_size, sparse=sparse)
         graphs.capture(self.kv_caches, self.num_blocks - 1, pool_blocks)
         self.graphs = graphs
         log.info("decode CUDA graphs: %d (batch buckets %s x table widths %s) in %.1f s",
@@ -237,7 +239,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         layout, sample_rows = self._layout(out)
         if self.graphs is not None and self.graphs.can_replay(layout):
-            hidden, nbytes = self.graphs.replay(layout, self.buffers)
+            sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
+                      if self.graphs.sparse is not None else None)
+            topk = self.buffers.topk.numpy()[:layout.num_seqs] if sparse is not None else None
+            hidden, nbytes = self.graphs.replay(layout, self.buffers, topk)
+            self.sparse.update(self.kv_caches, layout.slot_mapping)
+            if self._uploaded is not None:
+                self._uploaded.record()  # the plan's and the update's copies out of the buffers
+            if sparse is not None:
+                self.sparse.collect()
             return hidden, layout, sample_rows, dict(
                 table_width=layout.block_tables.shape[1], metadata_bytes=nbytes,
                 metadata_seconds=time.perf_counter() - t0)

@@ -57,6 +57,12 @@ class SparseDecoder:
                           for _ in range(self.num_layers)]
 
     @property
+    def accumulator(self) -> torch.Tensor:
+        """The kernels' [2] float64 counter (blocks attended, selection ns), at a fixed address
+        (CUDA graphs add to it)."""
+        return self._acc
+
+    @property
     def nbytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.summaries)
 

@@ -81,15 +81,14 @@ def test_only_decode_steps_inside_the_buckets_replay():
 
 
 def test_refusals_name_the_reason():
-    assert "device is cpu" in graphs_refusal("cpu", None, False)
+    assert "device is cpu" in graphs_refusal("cpu", None)
     sdpa = create_backend("torch_sdpa", 4, 2, 32, 0.2)
-    assert "torch_sdpa builds its metadata on the host" in graphs_refusal("cuda", sdpa, False)
+    assert "torch_sdpa builds its metadata on the host" in graphs_refusal("cuda", sdpa)
     if HAS_TRITON:
         tri = create_backend("triton", 4, 2, 32, 0.2)
-        assert graphs_refusal("cuda", tri, False) is None
-        assert graphs_refusal("cuda", PhaseSplit(prefill=sdpa, decode=tri), False) is None
-        assert graphs_refusal("cuda", PhaseSplit(prefill=tri, decode=sdpa), False) is not None
-        assert "sparse" in graphs_refusal("cuda", tri, True)
+        assert graphs_refusal("cuda", tri) is None  # sparse decode included (captured too)
+        assert graphs_refusal("cuda", PhaseSplit(prefill=sdpa, decode=tri)) is None
+        assert graphs_refusal("cuda", PhaseSplit(prefill=tri, decode=sdpa)) is not None
 
 
 # ---- padding ------------------------------------------------------------------------------------
@@ -102,8 +101,9 @@ def test_padding_rows_use_only_the_scratch_block():
                 slots=np.array([5 * 16 + 8, 9 * 16 + 12, 10 * 16 + 2]), lens=np.array([41, 61, 3]))
     scratch, bs = 31, 16
     stage_decode(flat, lay, 4, 8, real["tokens"], real["positions"], real["slots"], real["lens"],
-                 tables, scratch, bs)
+                 tables, scratch, bs, topk=np.array([2, 0, 3]))
     tok, pos, slot, ctx, tab = lay.views(flat, 4, 8)
+    assert lay.topk(flat, 4).tolist() == [2, 0, 3, 0]  # the padded row decodes densely
     assert tok.tolist() == [11, 12, 13, 0] and pos.tolist() == [40, 60, 2, 0]
     assert slot.tolist() == [5 * 16 + 8, 9 * 16 + 12, 10 * 16 + 2, scratch * bs]
     assert ctx.tolist() == [41, 61, 3, 1]  # the padded row attends to its own one token
@@ -112,8 +112,11 @@ def test_padding_rows_use_only_the_scratch_block():
     real_blocks = set(tables[tables >= 0].tolist())
     assert not real_blocks & set(tab[3].tolist())
     assert not {s // bs for s in slot[3:].tolist()} & real_blocks
-    # what one step copies: the four row sections and the [bucket, width] table, nothing after
-    assert lay.used(4, 8) == 4 * 8 + 32 and (flat[lay.used(4, 8):] == 777).all()
+    # what one step copies: the five row sections and the [bucket, width] table, nothing after
+    assert lay.used(4, 8) == 5 * 8 + 32 and (flat[lay.used(4, 8):] == 777).all()
+    stage_decode(flat, lay, 4, 8, real["tokens"], real["positions"], real["slots"], real["lens"],
+                 tables, scratch, bs)
+    assert lay.topk(flat, 4).tolist() == [0, 0, 0, 0]  # no plan: every row dense
 
 
 # ---- the flag ------------------------------------------------------------------------------------
@@ -186,29 +189,39 @@ def _decode_step(buffers: BatchBuffers, rows: list[tuple[int, tuple[int, ...]]],
                        buffers.slot_mapping[:b], bs)
 
 
+BS, CAPACITY, NUM_BLOCKS = 4, 32, 48
+"""The replay tests' cache: 4-token blocks, tables up to 32 wide, the last of 48 blocks scratch."""
+
+
+def _graph_case(contexts: list[int], seed: int):
+    """A 2-layer model, a triton backend, random caches and a decode step of `contexts` whose
+    blocks are scattered over every block but the scratch one: (cfg, model, backend, caches,
+    buffers, layout)."""
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+    model = _tiny_model(cfg)
+    backend = create_backend("triton", 4, 2, 32, 1 / math.sqrt(32))
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(2, 2, NUM_BLOCKS * BS, 32, generator=g) for _ in range(cfg.num_layers)]
+    perm = torch.randperm(NUM_BLOCKS - 1, generator=g).tolist()  # anything but scratch
+    rows, used = [], 0
+    for n in contexts:
+        k = -(-n // BS)
+        rows.append((n, tuple(perm[used:used + k])))
+        used += k
+    buffers = BatchBuffers(8, 64, CAPACITY, 2)
+    return cfg, model, backend, caches, buffers, _decode_step(buffers, rows, BS, cfg.vocab_size)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("contexts", [[5, 9, 13], [3], [70, 2, 33, 17, 9]],
                          ids=["bucket4-width8", "bucket1", "bucket8-width32"])
 def test_replay_inputs_match_the_eager_step(contexts):
     """The graph's static inputs, padding and width-sized triton splits give the eager step's
     hidden states and K/V; the padded rows write only the scratch block."""
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
-    bs, capacity, num_blocks = 4, 32, 48
-    scratch = num_blocks - 1
-    model = _tiny_model(cfg)
-    backend = create_backend("triton", 4, 2, 32, 1 / math.sqrt(32))
+    cfg, model, backend, caches, buffers, layout = _graph_case(contexts, seed=1)
+    bs, capacity, num_blocks, scratch = BS, CAPACITY, NUM_BLOCKS, NUM_BLOCKS - 1
     backend.target_programs = 16  # several splits, as a GPU runs small batches
-    g = torch.Generator().manual_seed(1)
-    caches = [torch.randn(2, 2, num_blocks * bs, 32, generator=g) for _ in range(cfg.num_layers)]
-    perm = torch.randperm(scratch, generator=g).tolist()  # real blocks: anything but scratch
-    rows, used = [], 0
-    for n in contexts:
-        k = -(-n // bs)
-        rows.append((n, tuple(perm[used:used + k])))
-        used += k
-    buffers = BatchBuffers(8, 64, capacity, 2)
-    layout = _decode_step(buffers, rows, bs, cfg.vocab_size)
 
     eager_caches = [c.clone() for c in caches]
     want = _eager(model, backend, eager_caches, buffers, layout)
@@ -227,6 +240,46 @@ def test_replay_inputs_match_the_eager_step(contexts):
         touched = (replayed != before).view(2, 2, num_blocks, bs, 32).any(-1).any(0).any(0)
         written = {s // bs for s in layout.slot_mapping.tolist()}
         assert set(touched.nonzero()[:, 0].tolist()) <= written | {scratch}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_sparse_replay_matches_the_eager_sparse_step():
+    """Sparse top-k decode inside the graphs: the staged top-k (0 for a dense row and the padded
+    rows), the graph's own selected-block buffer and the summaries and counter at their fixed
+    addresses give the eager sparse step's hidden states and blocks attended."""
+    from tierserve.engine.config import SparseConfig
+    from tierserve.engine.sparse import SparseDecoder
+    from tierserve.kernels.sparse import block_summaries
+    from tierserve.kernels.sparse_plan import SparseStep
+
+    contexts, topk = [70, 2, 33, 17, 9], [3, 0, 2, 4, 3]
+    cfg, model, backend, caches, buffers, layout = _graph_case(contexts, seed=2)
+    bs, capacity, num_blocks, scratch = BS, CAPACITY, NUM_BLOCKS, NUM_BLOCKS - 1
+    decoder = SparseDecoder(SparseConfig(topk_blocks=3, dense_layers=1), cfg.num_layers, 2, 32, bs,
+                            torch.device("cpu"))
+    decoder.allocate(num_blocks)
+    for cache, summary in zip(caches, decoder.summaries):
+        summary.copy_(block_summaries(cache, torch.arange(num_blocks), bs))
+
+    eager_caches = [c.clone() for c in caches]
+    eager_stats = torch.zeros(2, dtype=torch.float64)
+    step = SparseStep(decoder.summaries, 1, torch.tensor(topk),
+                      torch.full((5, 2, 4), -1, dtype=torch.int32), eager_stats)
+    ctx = ForwardContext(backend, backend.build_metadata(layout), layout.slot_mapping,
+                         eager_caches, step)
+    with torch.inference_mode(), forward_context(ctx):
+        want = model(buffers.tokens[:5], buffers.positions[:5])
+    graphs = DecodeGraphs(model, backend, "cpu", max_num_seqs=8, capacity=capacity, block_size=bs,
+                          sparse=decoder)
+    graph_caches = [c.clone() for c in caches]
+    graphs.capture(graph_caches, scratch, pool_blocks=scratch, graphs=False)
+    decoder.accumulator.zero_()  # capture ran every graph once on padding rows (all dense)
+    got, _ = graphs.replay(layout, buffers, np.array(topk))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    attended = sum(min(k, -(-n // bs)) for n, k in zip(contexts, topk) if k) * 2  # x KV heads
+    assert eager_stats[0] == decoder.accumulator[0] == attended  # one sparse layer
+    dense, _ = graphs.replay(layout, buffers, None)  # no plan: every row dense
+    assert not torch.allclose(dense, got, rtol=1e-3, atol=1e-3)
 
 
 def test_capture_refuses_a_pool_that_holds_the_scratch_block():
