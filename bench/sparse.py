@@ -11,7 +11,7 @@
 4. Granularity (--granularity, alone): the same at K = 1/4 with block sizes 4, 8, 16 and 32.
 
     .venv/bin/python bench/sparse.py [--accuracy] [--out docs/]
-    .venv/bin/python bench/sparse.py --granularity
+    .venv/bin/python bench/sparse.py --granularity [--replot]   # plot: docs/sparse_granularity.png
 """
 
 from __future__ import annotations
@@ -223,6 +223,26 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out / "sparse_decode.png", dpi=110)
 
 
+def plot_granularity(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    x = [r["block_size"] for r in rows]
+    ax.plot(x, [100 * r["agreement"] for r in rows], "o-", label="top-1 agreement (%)")
+    ax.plot(x, [100 * (r["ppl_sparse"] / r["ppl_dense"] - 1) for r in rows], "s--",
+            label="perplexity change (%)")
+    ax.axhline(95, color="tab:gray", lw=0.5)
+    ax.set(xscale="log", xlabel="KV block size (tokens)", ylabel="%",
+           title=f"K = {rows[0]['ratio']:.2g} of the blocks, 2 dense layers")
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ratio", type=float, default=1 / 8, help="K as a share of the blocks")
@@ -237,8 +257,11 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.granularity:
-        rows = granularity(0.25, args.start, args.positions)
-        (args.out / "sparse_granularity.json").write_text(json.dumps(rows, indent=1))
+        saved = args.out / "sparse_granularity.json"
+        rows = (json.loads(saved.read_text()) if args.replot
+                else granularity(0.25, args.start, args.positions))
+        saved.write_text(json.dumps(rows, indent=1))
+        plot_granularity(rows, args.out / "sparse_granularity.png")
         print(json.dumps(rows, indent=1))
         return
     if args.replot:
