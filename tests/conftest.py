@@ -15,8 +15,12 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tierserve.engine import LLM  # noqa: E402
+from tierserve.engine import LLM, loaders  # noqa: E402
 from tierserve.engine.loaders import resolve_path  # noqa: E402
+
+# Engines built in this process reuse the embedded model's parsed, dequantized weights (servers the
+# tests start as subprocesses load their own). Every load still goes through load_model_source.
+loaders.KEEP_LAST_GGUF = True
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENS = [1, 2, 5, 17, 31, 64, 100, 128, 200, 333, 512, 700, 900, 1100, 1300, 1500]

@@ -4,6 +4,7 @@ inputs give one-line ModelLoadErrors. No downloads: the only real weights are th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -454,3 +455,21 @@ def test_hf_dir_bos_like_transformers(hf_dir, bos_by):
     for text in PROMPTS:
         assert ours.encode(text) == hf_tok(text)["input_ids"]
         assert (ours.encode(text)[0] == 1) == (bos_by == "post_processor")
+
+
+def test_kept_gguf_source_is_reused_only_while_the_file_is_unchanged(embedded, tmp_path):
+    """With KEEP_LAST_GGUF (on in the test suite) a second load of the same file shares the
+    tensors, each load with a dict of its own; a file changed since (its mtime) is loaded afresh."""
+    from tierserve.engine import loaders
+    assert loaders.KEEP_LAST_GGUF
+    path = tmp_path / "tiny.gguf"
+    _write_llama_gguf(_hf_model(transformers.LlamaConfig, seed=1), path, embedded.path)
+    a, b = load_model_source(str(path)), load_model_source(str(path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert a.weights is not b.weights and a.weights[name] is b.weights[name]
+    a.weights.pop(name)
+    assert name in load_model_source(str(path)).weights
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten, as tools do
+    c = load_model_source(str(path))
+    assert c.weights[name] is not b.weights[name] and torch.equal(c.weights[name], b.weights[name])

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -66,7 +67,17 @@ def resolve_path(name: str) -> str:
     return path
 
 
+KEEP_LAST_GGUF = False
+"""Keep the last GGUF file's loaded source in memory and hand it (a fresh weights dict over the
+same read-only tensors) to the next load of the same, unchanged file in this process. The test
+suite turns it on (tests/conftest.py: it builds dozens of engines on the embedded model, ~4 s of
+parsing and dequantizing each); the daemon loads once and leaves it off, so the fp32 weights are
+not kept past the engine that uses them."""
+_last_gguf: tuple[tuple, ModelSource] | None = None
+
+
 def load_model_source(name: str) -> ModelSource:
+    global _last_gguf
     path = resolve_path(name)
     if os.path.isdir(path):
         from tierserve.engine.loaders.hf import load_hf_dir
@@ -75,7 +86,13 @@ def load_model_source(name: str) -> ModelSource:
     if path.endswith(".gguf"):
         from tierserve.engine.loaders.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        if not KEEP_LAST_GGUF:
+            return load_gguf(path)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if _last_gguf is None or _last_gguf[0] != key:
+            _last_gguf = (key, load_gguf(path))
+        return dataclasses.replace(_last_gguf[1], weights=dict(_last_gguf[1].weights))
     raise ModelLoadError(f"model {name!r}: expected a .gguf file or a directory with config.json")
 
 
