@@ -219,10 +219,10 @@ def block_bounds(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
 
 
 def choose_blocks(scores: torch.Tensor, lens: torch.Tensor, topk: torch.Tensor,
-                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each (sequence, KV head)'s blocks under its sequence's topk (0: all): the first and the
     newest always, then the highest scores (ties: the lower index); all on the device, no sync.
-    Returns (chosen [B, Hkv, W] ascending, W past each row's count; count [B])."""
+    Returns (chosen [B, Hkv, W] ascending, W past each row's count; count [B]; blocks n [B])."""
     b, hkv, width = scores.shape
     n = (lens.long() + page_size - 1) // page_size
     count = torch.where(topk > 0, torch.minimum(topk, n), n)
@@ -232,7 +232,7 @@ def choose_blocks(scores: torch.Tensor, lens: torch.Tensor, topk: torch.Tensor,
                        descending=True, stable=True).indices
     keep = (col < count[:, None])[:, None, :]
     chosen = torch.where(keep, order, width).sort(dim=-1).values
-    return chosen, count
+    return chosen, count, n
 
 
 def sparse_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, summary: torch.Tensor,
@@ -245,10 +245,9 @@ def sparse_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, summary: torch.
     [B, Hkv, >= max topk] int32 receives each row's chosen logical blocks (-1 padded; a dense
     row all -1), `stats` [2] float64 gains the blocks sparse rows attended (over KV heads)."""
     scores = block_bounds(q, summary, tables, lens, page_size)
-    chosen, count = choose_blocks(scores, lens, topk, page_size)
+    chosen, count, n = choose_blocks(scores, lens, topk, page_size)
     b, hkv, width = chosen.shape
     head_tables = torch.gather(tables, 1, chosen.clamp(max=width - 1).view(b, -1)).view(b, hkv, width)
-    n = (lens.long() + page_size - 1) // page_size
     attended = (lens.long() - (n - count) * page_size).to(torch.int32)
     if selected is not None:
         w = min(selected.shape[-1], width)
