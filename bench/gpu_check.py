@@ -232,23 +232,28 @@ def graph_decode(device: str, dtype: str, tiny: bool) -> list[tuple]:
     eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, max(batches), ctx + new + 16,
                      cuda_graphs=True)
     del weights
-    graphs = eng.runner.graphs
     rows = []
     for b in batches:
         prompts = [[(7 * i + j) % cfg.vocab_size for j in range(ctx)] for i in range(b)]
-        tok_s, outs = {}, {}
-        for mode in ("eager", "graphs"):
-            eng.runner.graphs = graphs if mode == "graphs" else None
-            before = graphs.replays if graphs else 0
-            outs[mode], steps = eng.generate(prompts, new)
-            steps = steps[2:] or steps  # warm-up excluded, as in decode_throughput
-            tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
-            replayed = (graphs.replays - before) if graphs and mode == "graphs" else 0
-        same = sum(a == c for x, y in zip(outs["eager"], outs["graphs"]) for a, c in zip(x, y))
-        rows.append((b, ctx, tok_s["eager"], tok_s["graphs"], replayed,
-                     same / sum(map(len, outs["eager"]))))
-    eng.runner.graphs = graphs
+        rows.append((b, ctx, *eager_vs_graphs(eng, prompts, new)))
     return rows
+
+
+def eager_vs_graphs(eng: MiniEngine, prompts: list[list[int]], new: int) -> tuple:
+    """The same prompts eagerly, then with the runner's graphs: (eager tok/s, graph tok/s, steps
+    replayed, greedy agreement). Decode steps only, the first two (warm-up) excluded."""
+    graphs, tok_s, outs, replayed = eng.runner.graphs, {}, {}, 0
+    for mode in ("eager", "graphs"):
+        eng.runner.graphs = graphs if mode == "graphs" else None
+        before = graphs.replays if graphs else 0
+        outs[mode], steps = eng.generate(prompts, new)
+        steps = steps[2:] or steps
+        tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
+        if graphs and mode == "graphs":
+            replayed = graphs.replays - before
+    eng.runner.graphs = graphs
+    same = sum(a == c for x, y in zip(outs["eager"], outs["graphs"]) for a, c in zip(x, y))
+    return tok_s["eager"], tok_s["graphs"], replayed, same / sum(map(len, outs["eager"]))
 
 
 # ---- sparse top-k decode on triton -------------------------------------------------------------
@@ -351,19 +356,12 @@ def sparse_timing(device: str, dtype: torch.dtype, tiny: bool) -> list[tuple]:
 def sparse_engine(device: str, dtype: str, tiny: bool) -> list[tuple]:
     """(check, value): greedy tokens with K covering every block against dense (both decoding on
     triton), and decode tok/s dense against K = 1/8 at a 4k context (SmolLM2's shape, random)."""
-    cfg = ModelConfig(architecture="llama", **SHAPES["tiny" if tiny else "smollm2-135m"])
-    weights = random_weights(cfg, device, getattr(torch, dtype))
-    ctx, new, batch = (64, 4, 2) if tiny else (4096, 32, 8)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
-    blocks = batch * (-(-(ctx + new) // 16)) + 8
-    backend = "decode=triton" if device == "cuda" else None  # the CPU: cpu_native's kernels
+    cfg, weights, prompts, new, engine_args = _sparse_workload(device, dtype, tiny, seed=3)
     modes = {"dense": None, "K covers all": SparseConfig(topk_blocks=100000, min_context=0),
              "K = 1/8": SparseConfig(topk_ratio=1 / 8, min_context=0)}
     outs, rows = {}, []
     for name, sp in modes.items():
-        eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, batch, ctx + new + 16,
-                         sparse=sp)
+        eng = MiniEngine(cfg, weights, *engine_args, sparse=sp)
         outs[name], steps = eng.generate(prompts, new)
         steps = steps[2:] or steps
         rows.append((f"decode tok/s, {name} ({eng.runner.backend.name})",
@@ -377,28 +375,24 @@ def sparse_engine(device: str, dtype: str, tiny: bool) -> list[tuple]:
 def sparse_graphs(device: str, dtype: str, tiny: bool) -> tuple:
     """(batch, context, eager tok/s, graph tok/s, steps replayed, greedy agreement) of sparse
     decode (K = 1/8) eager against CUDA graphs on one runner (SmolLM2's shape, random weights)."""
+    cfg, weights, prompts, new, engine_args = _sparse_workload(device, dtype, tiny, seed=4)
+    eng = MiniEngine(cfg, weights, *engine_args, cuda_graphs=True,
+                     sparse=SparseConfig(topk_ratio=1 / 8, min_context=0))
+    return len(prompts), len(prompts[0]), *eager_vs_graphs(eng, prompts, new)
+
+
+def _sparse_workload(device: str, dtype: str, tiny: bool, seed: int) -> tuple:
+    """SmolLM2's shape with random weights, `batch` random prompts of a 4k context (tiny: 64),
+    and MiniEngine's arguments after the weights (decode on triton on a GPU, cpu_native's
+    kernels on the CPU): (cfg, weights, prompts, new tokens, engine args)."""
     cfg = ModelConfig(architecture="llama", **SHAPES["tiny" if tiny else "smollm2-135m"])
     weights = random_weights(cfg, device, getattr(torch, dtype))
     ctx, new, batch = (64, 4, 2) if tiny else (4096, 32, 8)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
     blocks = batch * (-(-(ctx + new) // 16)) + 8
     backend = "decode=triton" if device == "cuda" else None
-    eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, batch, ctx + new + 16,
-                     cuda_graphs=True, sparse=SparseConfig(topk_ratio=1 / 8, min_context=0))
-    graphs, tok_s, outs = eng.runner.graphs, {}, {}
-    replayed = 0
-    for mode in ("eager", "graphs"):
-        eng.runner.graphs = graphs if mode == "graphs" else None
-        before = graphs.replays if graphs else 0
-        outs[mode], steps = eng.generate(prompts, new)
-        steps = steps[2:] or steps
-        tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
-        if graphs and mode == "graphs":
-            replayed = graphs.replays - before
-    eng.runner.graphs = graphs
-    same = sum(a == c for x, y in zip(outs["eager"], outs["graphs"]) for a, c in zip(x, y))
-    return batch, ctx, tok_s["eager"], tok_s["graphs"], replayed, same / sum(map(len, outs["eager"]))
+    return cfg, weights, prompts, new, (device, dtype, backend, blocks, batch, ctx + new + 16)
 
 
 def sparse_section(device: str, dtype: str, tiny: bool) -> bool:
