@@ -7,7 +7,8 @@ engine measures itself. Plain Python, no torch.
     otherwise, per tier in lookup order, a load is planned only when
       - the prompt is long enough for the tier's locality (short prompts skip remote tiers),
       - it fits what is left of the TTFT budget after the time already waited (budget), and
-      - loading the wanted blocks is faster than recomputing them (cost);
+      - loading the wanted blocks is faster than recomputing them (cost; only once the tier's
+        read rate and the engine's prefill rate are both measured, never on a guess);
       batch requests skip the cost and budget checks: they load from every tier
     stores: explicit tiers win; batch and class-less requests store to every tier, interactive
     ones to the local tiers only
@@ -72,7 +73,7 @@ class CostModel:
     admission: a lock keeps each update whole."""
 
     def __init__(self, block_bytes: int, block_size: int, alpha: float = 0.3,
-                 prefill_tokens_per_s: float = 1000.0):
+                 prefill_tokens_per_s: float | None = None):
         self.block_bytes, self.block_size, self.alpha = block_bytes, block_size, alpha
         self._lookup: dict[str, Ewma] = {}
         self._bandwidth: dict[str, Ewma] = {}
@@ -115,8 +116,12 @@ class CostModel:
                 return est, False
             return est + blocks * self.block_bytes / bw.value, True
 
-    def recompute_seconds(self, blocks: int) -> float:
+    def recompute_seconds(self, blocks: int) -> float | None:
+        """The time to prefill `blocks` blocks instead, or None before the first measured
+        prefill step (a guess would decide a cold server's first loads by chance)."""
         with self._lock:
+            if self._prefill.value is None:
+                return None
             return blocks * self.block_size / self._prefill.value
 
     def snapshot(self) -> dict:
@@ -179,7 +184,7 @@ class TierPolicy:
             left = max(0.0, deadline - now)
             return "budget", f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
         recompute = self.cost.recompute_seconds(blocks)
-        if complete and est >= recompute:
+        if complete and recompute is not None and est >= recompute:
             return "cost", f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
         return None
 

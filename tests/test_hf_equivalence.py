@@ -13,12 +13,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, varied_prompts) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, generated in two left-padded batches (the
+    short prompts, the long ones) with an attention mask: the same tokens as one prompt at a
+    time (checked for these prompts), in less than half the time."""
     hf_model.generation_config.eos_token_id = None  # as ignore_eos: never stop early
     outs = []
-    for p in varied_prompts:
-        seq = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=0)
-        outs.append(seq[0, len(p):].tolist())
+    for group in (varied_prompts[:10], varied_prompts[10:]):
+        width = max(map(len, group))
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(group):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        seq = hf_model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)
+        outs += [row[width:].tolist() for row in seq]
     return outs
 
 

@@ -97,7 +97,8 @@ INFO = [TierInfo("cpu", True), TierInfo("disk", True), TierInfo("s3", False)]
 BLOCK = 737_280
 
 
-def policy(s3_ms_per_block: float | None = None, prefill_tps: float = 500.0) -> TierPolicy:
+def policy(s3_ms_per_block: float | None = None,
+           prefill_tps: float | None = 500.0) -> TierPolicy:
     """cpu at 10 GB/s, disk at 2 GB/s; s3 with the given per-block time (None: unmeasured)."""
     cost = CostModel(BLOCK, 16, alpha=1.0, prefill_tokens_per_s=prefill_tps)
     for tier, bw in (("cpu", 10e9), ("disk", 2e9)):
@@ -142,6 +143,16 @@ def test_batch_loads_from_and_stores_to_every_tier_whatever_the_cost():
 def test_a_load_slower_than_recompute_is_skipped_by_cost():
     d = policy(s3_ms_per_block=100).decide(KVHints(), 125, 0.0, 0.0)  # 12.5 s vs 4 s
     assert d.skipped == {"s3": "cost"} and d.load_tiers == ("cpu", "disk")
+
+
+def test_no_load_is_skipped_for_cost_before_a_prefill_is_measured():
+    # a restarted server: the probe measured a slow disk, no prefill step has run yet
+    cold = policy(s3_ms_per_block=100, prefill_tps=None)
+    d = cold.decide(KVHints(), 125, 0.0, 0.0)
+    assert d.load_tiers == ("cpu", "disk", "s3") and d.skipped == {}
+    cold.cost.observe_prefill(2000, 4.0)  # 500 tok/s: now 12.5 s of s3 loses to 4 s
+    assert cold.decide(KVHints(), 125, 0.0, 0.0).skipped == {"s3": "cost"}
+    assert cold.decide(KVHints(ttft_budget_ms=500), 125, 0.0, 0.0).skipped == {"s3": "budget"}
 
 
 def test_short_prompts_skip_remote_tiers_and_unmeasured_tiers_are_tried():

@@ -1,3 +1,6 @@
+// pybind11 with torch's Tensor casters; the rest of <torch/extension.h> is not needed.
+#include <torch/csrc/utils/pybind.h>
+
 #include "ops.h"
 #include "thread_pool.h"
 
@@ -24,11 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("selected"), py::arg("stats"));
   // the same with one topk for every sequence
   m.def("sparse_paged_decode",
-        [](torch::Tensor q, torch::Tensor kv_cache, torch::Tensor summary,
-           torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-           double scale, int64_t topk, torch::Tensor selected, torch::Tensor stats) {
+        [](at::Tensor q, at::Tensor kv_cache, at::Tensor summary,
+           at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
+           double scale, int64_t topk, at::Tensor selected, at::Tensor stats) {
           return sparse_paged_decode(q, kv_cache, summary, block_tables, context_lens,
-                                     block_size, scale, torch::full({q.size(0)}, topk, at::kLong),
+                                     block_size, scale, at::full({q.size(0)}, topk, at::kLong),
                                      selected, stats);
         },
         py::arg("q"), py::arg("kv_cache"), py::arg("summary"), py::arg("block_tables"),

@@ -67,23 +67,23 @@ class SpinBarrier {
   std::atomic<bool> failed_{false};
 };
 
-inline torch::Tensor rows(const torch::Tensor& t, int64_t first, int64_t n) {
+inline at::Tensor rows(const at::Tensor& t, int64_t first, int64_t n) {
   return t.narrow(0, first, n);
 }
 
 }  // namespace
 
-torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
-                                    torch::Tensor positions, torch::Tensor slots,
-                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
-                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
-                                    torch::Tensor sin_signed, torch::Tensor block_tables,
-                                    torch::Tensor context_lens, int64_t block_size, double scale,
+at::Tensor decode_forward_sparse(at::Tensor x, at::Tensor residual,
+                                    at::Tensor positions, at::Tensor slots,
+                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
+                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
+                                    at::Tensor sin_signed, at::Tensor block_tables,
+                                    at::Tensor context_lens, int64_t block_size, double scale,
                                     double eps, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t team, std::vector<torch::Tensor> summaries,
-                                    torch::Tensor topk, int64_t dense_layers,
-                                    c10::optional<torch::Tensor> selected,
-                                    c10::optional<torch::Tensor> stats) {
+                                    int64_t team, std::vector<at::Tensor> summaries,
+                                    at::Tensor topk, int64_t dense_layers,
+                                    c10::optional<at::Tensor> selected,
+                                    c10::optional<at::Tensor> stats) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "weights: 7 tensors per layer");
@@ -102,22 +102,22 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
   TORCH_CHECK(positions.is_contiguous() && slots.is_contiguous() && context_lens.is_contiguous() &&
                   block_tables.is_contiguous(),
               "contiguous positions, slots, context lengths and block tables");
-  for (const torch::Tensor& c : kv_caches)
+  for (const at::Tensor& c : kv_caches)
     TORCH_CHECK(kv_dtype_supported(c) && c.is_contiguous(), "contiguous fp32 or fp16 KV caches");
   team = std::max<int64_t>(1, team);
   const int64_t inter = weights[6].size(1);  // down's panels: [hidden / 16, inter, 16]
   // qkv biases, whole panels long (Linear.pack pads them, so this copies nothing)
-  std::vector<torch::Tensor> bias(layers);
+  std::vector<at::Tensor> bias(layers);
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor& b = weights[l * kPerLayer + 2];
+    const at::Tensor& b = weights[l * kPerLayer + 2];
     if (b.defined() && b.numel() > 0) bias[l] = panel_bias(b, weights[l * kPerLayer + 1].size(0));
   }
   const auto opts = x.options();
   // x holds each layer's normed input: layer 0's from the caller, later ones the down
   // projection's output normed in place.
-  torch::Tensor qkv = torch::empty({B, qkv_n}, opts), attn = torch::empty({B, q_n}, opts);
-  torch::Tensor o = torch::empty({B, hidden}, opts), gate_up = torch::empty({B, 2 * inter}, opts);
-  torch::Tensor act = torch::empty({B, inter}, opts);
+  at::Tensor qkv = at::empty({B, qkv_n}, opts), attn = at::empty({B, q_n}, opts);
+  at::Tensor o = at::empty({B, hidden}, opts), gate_up = at::empty({B, 2 * inter}, opts);
+  at::Tensor act = at::empty({B, inter}, opts);
   std::vector<int64_t> cost(B);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i) cost[i] = lens[i] + 1;
@@ -125,9 +125,9 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
   acut.resize(team + 1, B);
   SpinBarrier barrier(static_cast<int>(team));
   // each member's sparse stats, summed into `stats` once the team is done
-  std::vector<torch::Tensor> member_stats;
+  std::vector<at::Tensor> member_stats;
   if (sparse)
-    for (int64_t i = 0; i < team; ++i) member_stats.push_back(torch::zeros({2}, stats->options()));
+    for (int64_t i = 0; i < team; ++i) member_stats.push_back(at::zeros({2}, stats->options()));
 
   auto member = [&](int64_t tid, int64_t nt) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
@@ -136,15 +136,15 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
     auto sync = [&] {
       if (nt > 1) barrier.wait();
     };
-    auto gemm = [&](const torch::Tensor& in, const torch::Tensor& panels, int64_t N,
-                    const torch::Tensor& b, torch::Tensor& out) {
+    auto gemm = [&](const at::Tensor& in, const at::Tensor& panels, int64_t N,
+                    const at::Tensor& b, at::Tensor& out) {
       const int64_t NP = panels.size(0);
       linear_panels(in.data_ptr<float>(), in.size(1), B, in.size(1), panels.data_ptr<float>(), N,
                     b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                     NP * tid / nt, NP * (tid + 1) / nt);
     };
     for (int64_t l = 0; l < layers; ++l) {
-      const torch::Tensor* w = weights.data() + l * kPerLayer;
+      const at::Tensor* w = weights.data() + l * kPerLayer;
       if (l > 0) {
         if (rn > 0) add_rms_norm_(rows(x, r0, rn), rows(residual, r0, rn), w[0], eps);
         sync();
@@ -152,12 +152,12 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
       gemm(x, w[1], qkv_n, bias[l], qkv);
       sync();
       if (an > 0) {
-        torch::Tensor mine = rows(qkv, a0, an);
+        at::Tensor mine = rows(qkv, a0, an);
         rope_store_kv_(mine, rows(positions, a0, an), cos, sin_signed, kv_caches[l],
                        rows(slots, a0, an), num_heads, num_kv_heads);
-        const torch::Tensor q =
+        const at::Tensor q =
             mine.view({an, num_heads + 2 * num_kv_heads, D}).narrow(1, 0, num_heads);
-        const torch::Tensor out =
+        const at::Tensor out =
             sparse && l >= dense_layers
                 ? sparse_paged_decode(q, kv_caches[l], summaries[l], rows(block_tables, a0, an),
                                       rows(context_lens, a0, an), block_size, scale,
@@ -169,19 +169,19 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
                     an * q_n * sizeof(float));
       }
       sync();
-      gemm(attn, w[3], hidden, torch::Tensor(), o);
+      gemm(attn, w[3], hidden, at::Tensor(), o);
       sync();
       if (rn > 0) add_rms_norm_(rows(o, r0, rn), rows(residual, r0, rn), w[4], eps);
       sync();
-      gemm(o, w[5], 2 * inter, torch::Tensor(), gate_up);
+      gemm(o, w[5], 2 * inter, at::Tensor(), gate_up);
       sync();
       if (rn > 0) {
-        const torch::Tensor a = silu_and_mul(rows(gate_up, r0, rn));
+        const at::Tensor a = silu_and_mul(rows(gate_up, r0, rn));
         std::memcpy(act.data_ptr<float>() + r0 * inter, a.data_ptr<float>(),
                     rn * inter * sizeof(float));
       }
       sync();
-      gemm(act, w[6], hidden, torch::Tensor(), x);
+      gemm(act, w[6], hidden, at::Tensor(), x);
       sync();
     }
     if (rn > 0) add_rms_norm_(rows(x, r0, rn), rows(residual, r0, rn), final_norm, eps);
@@ -202,6 +202,6 @@ torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
         }
       },
       static_cast<int>(team));
-  for (const torch::Tensor& m : member_stats) stats->add_(m);
+  for (const at::Tensor& m : member_stats) stats->add_(m);
   return x;
 }

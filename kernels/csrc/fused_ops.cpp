@@ -25,7 +25,7 @@ int64_t grain_rows(int64_t row_floats) {
 
 }  // namespace
 
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "contiguous inputs");
@@ -52,10 +52,10 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(), "contiguous fp32");
   const int64_t M = gate_up.size(0), N = gate_up.size(1) / 2;
-  auto out = torch::empty({M, N}, gate_up.options());
+  auto out = at::empty({M, N}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   ts::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
@@ -79,8 +79,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
-                    torch::Tensor sin_signed, torch::Tensor kv_cache, torch::Tensor slots,
+void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                    at::Tensor sin_signed, at::Tensor kv_cache, at::Tensor slots,
                     int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
               "fp32 qkv, fp32 or fp16 KV cache");
@@ -130,10 +130,10 @@ void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
   });
 }
 
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "2-D fp32");
   const int64_t M = x.size(0), N = x.size(1);
-  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   ts::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {

@@ -78,11 +78,11 @@ void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const floa
 #endif
 }
 
-torch::Tensor pack_linear_weight(torch::Tensor w) {
+at::Tensor pack_linear_weight(at::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "a 2-D fp32 weight");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NP = (N + kNR - 1) / kNR;
-  auto packed = torch::zeros({NP, K, kNR}, w.options());
+  auto packed = at::zeros({NP, K, kNR}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   ts::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
@@ -93,19 +93,19 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
   return packed;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
-                            c10::optional<torch::Tensor> bias) {
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t N,
+                            c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kNR, "x [M, K], packed [NP, K, 16]");
   TORCH_CHECK(packed.is_contiguous() && packed.size(1) == x.size(1), "packed weight does not fit x");
   TORCH_CHECK(packed.size(0) == (N + kNR - 1) / kNR, "N does not match the packed panels");
   if (x.stride(1) != 1) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NP = packed.size(0), lda = x.stride(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* A = x.data_ptr<float>();
   const float* P = packed.data_ptr<float>();
   float* C = y.data_ptr<float>();
-  const torch::Tensor b = bias.has_value() ? panel_bias(bias.value(), NP) : torch::Tensor();
+  const at::Tensor b = bias.has_value() ? panel_bias(bias.value(), NP) : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   // Tasks of at least 64K multiply-adds: a product smaller than two of them stays on the calling
   // thread (waking a sleeping worker under OMP_WAIT_POLICY=PASSIVE costs more than that work).

@@ -1,6 +1,12 @@
 // The native CPU ops of the tierserve extension (bindings.cpp exposes them to Python).
+// Only the ATen headers the kernels use, not <torch/extension.h> (the C++ frontend and Python,
+// which every file including it parsed): the first start's build took ~4x longer with it.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -84,7 +90,7 @@ inline void kv_from_float(const float* src, at::Half* dst, int64_t n) {
 }
 
 // Whether the native kernels read and write this KV cache's dtype.
-inline bool kv_dtype_supported(const torch::Tensor& kv_cache) {
+inline bool kv_dtype_supported(const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf;
 }
 
@@ -106,8 +112,8 @@ inline std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& cost, int6
 }
 
 // Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] (fp32 or fp16) -> [B, H, D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, int64_t block_size, double scale);
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                           at::Tensor context_lens, int64_t block_size, double scale);
 
 // Sparse (Quest top-k block) paged decode (sparse_decode.cpp): per (sequence, KV head), the
 // first and newest blocks plus the topk - 2 others whose key summary bounds q.k highest, summed
@@ -116,51 +122,51 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
 // [2, Hkv, NB, D] fp32 (min, max of each block's keys); selected [B, Hkv, W >= topk] int32 gets
 // the attended logical blocks, ascending (-1 past min(n, topk), and for topk 0); stats [2] float64
 // += (blocks attended by sequences with a topk, selection ns). Returns [B, H * D].
-torch::Tensor sparse_paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor summary,
-                                  torch::Tensor block_tables, torch::Tensor context_lens,
-                                  int64_t block_size, double scale, torch::Tensor topk,
-                                  torch::Tensor selected, torch::Tensor stats);
+at::Tensor sparse_paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor summary,
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  int64_t block_size, double scale, at::Tensor topk,
+                                  at::Tensor selected, at::Tensor stats);
 
 // Each layer's summary after the step's K is stored: for every slot in order, its block's
 // [min, max] reset to the key (offset 0) or widened by it.
-void kv_summary_update_(std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> summaries,
-                        torch::Tensor slot_mapping, int64_t block_size);
+void kv_summary_update_(std::vector<at::Tensor> kv_caches, std::vector<at::Tensor> summaries,
+                        at::Tensor slot_mapping, int64_t block_size);
 
 // Causal prefill attention of every chunk in the batch over the paged cache (see
 // prefill_attention.cpp), written into out's rows; supported: head_dim % 16 == 0, block % 16 == 0.
 bool paged_prefill_supported(int64_t head_dim, int64_t block_size);
-void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                    torch::Tensor query_start, torch::Tensor context_lens, int64_t block_size,
-                    double scale, torch::Tensor out);
+void paged_prefill_(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                    at::Tensor query_start, at::Tensor context_lens, int64_t block_size,
+                    double scale, at::Tensor out);
 
 // residual += x; x = rms_norm(residual) * weight (rows of x, both [M, N], in place).
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
 // [M, 2N] (gate | up) -> silu(gate) * up [M, N].
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
+at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // Rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (rotate-half RoPE from the cos and
 // signed sin tables [max_pos, D]) and store k and v at their slots of kv_cache [2, Hkv, S, D]
 // (fp32, or fp16 rounded to nearest-even).
-void rope_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
-                    torch::Tensor sin_signed, torch::Tensor kv_cache, torch::Tensor slots,
+void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                    at::Tensor sin_signed, at::Tensor kv_cache, at::Tensor slots,
                     int64_t num_heads, int64_t num_kv_heads);
 
 // Index of each row's first maximum: [M, N] -> [M] int64.
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 
 // W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
-torch::Tensor pack_linear_weight(torch::Tensor w);
+at::Tensor pack_linear_weight(at::Tensor w);
 
 // y [M, N] = x [M, K] . W^T (+ bias), W as packed by pack_linear_weight (decode-sized M).
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
-                            c10::optional<torch::Tensor> bias);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t N,
+                            c10::optional<at::Tensor> bias);
 
 // A bias for the packed kernels, whole panels long (a tile loads 16 values for the last panel):
 // bias itself where it already is (Linear.pack pads it once), else a zero-padded copy.
-inline torch::Tensor panel_bias(const torch::Tensor& bias, int64_t panels) {
+inline at::Tensor panel_bias(const at::Tensor& bias, int64_t panels) {
   if (bias.numel() == panels * 16 && bias.is_contiguous()) return bias;
-  torch::Tensor b = torch::zeros({panels * 16}, bias.options());
+  at::Tensor b = at::zeros({panels * 16}, bias.options());
   b.narrow(0, 0, bias.numel()).copy_(bias);
   return b;
 }
@@ -178,27 +184,27 @@ void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const floa
 // Layers from `dense_layers` on attend by sparse_paged_decode with their `summaries` entry (one
 // per layer), `topk` [B], `selected` [B, Hkv, W] (left holding the last layer's choice) and
 // `stats` (summed over the layers); with no summaries every layer is dense (decode_forward).
-torch::Tensor decode_forward_sparse(torch::Tensor x, torch::Tensor residual,
-                                    torch::Tensor positions, torch::Tensor slots,
-                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
-                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
-                                    torch::Tensor sin_signed, torch::Tensor block_tables,
-                                    torch::Tensor context_lens, int64_t block_size, double scale,
+at::Tensor decode_forward_sparse(at::Tensor x, at::Tensor residual,
+                                    at::Tensor positions, at::Tensor slots,
+                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
+                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
+                                    at::Tensor sin_signed, at::Tensor block_tables,
+                                    at::Tensor context_lens, int64_t block_size, double scale,
                                     double eps, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t team, std::vector<torch::Tensor> summaries,
-                                    torch::Tensor topk, int64_t dense_layers,
-                                    c10::optional<torch::Tensor> selected,
-                                    c10::optional<torch::Tensor> stats);
-inline torch::Tensor decode_forward(torch::Tensor x, torch::Tensor residual,
-                                    torch::Tensor positions, torch::Tensor slots,
-                                    std::vector<torch::Tensor> weights, torch::Tensor final_norm,
-                                    std::vector<torch::Tensor> kv_caches, torch::Tensor cos,
-                                    torch::Tensor sin_signed, torch::Tensor block_tables,
-                                    torch::Tensor context_lens, int64_t block_size, double scale,
+                                    int64_t team, std::vector<at::Tensor> summaries,
+                                    at::Tensor topk, int64_t dense_layers,
+                                    c10::optional<at::Tensor> selected,
+                                    c10::optional<at::Tensor> stats);
+inline at::Tensor decode_forward(at::Tensor x, at::Tensor residual,
+                                    at::Tensor positions, at::Tensor slots,
+                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
+                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
+                                    at::Tensor sin_signed, at::Tensor block_tables,
+                                    at::Tensor context_lens, int64_t block_size, double scale,
                                     double eps, int64_t num_heads, int64_t num_kv_heads,
                                     int64_t team) {
   return decode_forward_sparse(x, residual, positions, slots, std::move(weights), final_norm,
                                std::move(kv_caches), cos, sin_signed, block_tables, context_lens,
                                block_size, scale, eps, num_heads, num_kv_heads, team, {},
-                               torch::Tensor(), 0, c10::nullopt, c10::nullopt);
+                               at::Tensor(), 0, c10::nullopt, c10::nullopt);
 }

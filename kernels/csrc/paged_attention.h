@@ -86,9 +86,9 @@ struct Attn {
   float scale;
 };
 
-inline Attn make_attn(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                      int64_t block_size, double scale, const torch::Tensor& out) {
+inline Attn make_attn(const at::Tensor& q, const at::Tensor& kv_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      int64_t block_size, double scale, const at::Tensor& out) {
   Attn a;
   a.H = q.size(1);
   a.D = q.size(2);
@@ -276,7 +276,7 @@ AttendFn<List> pick(int64_t G, int64_t D, int64_t block_size) {
 }
 
 template <typename List>
-AttendFn<List> pick(const Attn& a, const torch::Tensor& kv_cache) {
+AttendFn<List> pick(const Attn& a, const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kHalf ? pick<at::Half, List>(a.G, a.D, a.block_size)
                                              : pick<float, List>(a.G, a.D, a.block_size);
 }

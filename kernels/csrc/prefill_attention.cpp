@@ -158,9 +158,9 @@ bool paged_prefill_supported(int64_t head_dim, int64_t block_size) {
 #endif
 }
 
-void paged_prefill_(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                    torch::Tensor query_start, torch::Tensor context_lens, int64_t block_size,
-                    double scale, torch::Tensor out) {
+void paged_prefill_(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                    at::Tensor query_start, at::Tensor context_lens, int64_t block_size,
+                    double scale, at::Tensor out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
               "fp32 queries, fp32 or fp16 KV cache");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() && out.is_contiguous(),

@@ -117,11 +117,11 @@ int64_t select_blocks(const Layer& a, int64_t b, int64_t h, Scratch& s, int32_t*
   return k;
 }
 
-Layer make_layer(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                 const torch::Tensor& summary, const torch::Tensor& block_tables,
-                 const torch::Tensor& context_lens, int64_t block_size, double scale,
-                 const torch::Tensor& topk, const torch::Tensor& selected,
-                 const torch::Tensor& out) {
+Layer make_layer(const at::Tensor& q, const at::Tensor& kv_cache,
+                 const at::Tensor& summary, const at::Tensor& block_tables,
+                 const at::Tensor& context_lens, int64_t block_size, double scale,
+                 const at::Tensor& topk, const at::Tensor& selected,
+                 const at::Tensor& out) {
   Layer a;
   static_cast<ts::paged::Attn&>(a) =
       ts::paged::make_attn(q, kv_cache, block_tables, context_lens, block_size, scale, out);
@@ -136,10 +136,10 @@ Layer make_layer(const torch::Tensor& q, const torch::Tensor& kv_cache,
   return a;
 }
 
-void check_inputs(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                  const torch::Tensor& summary, const torch::Tensor& block_tables,
-                  const torch::Tensor& context_lens, const torch::Tensor& topk,
-                  const torch::Tensor& selected, const torch::Tensor& stats, int64_t block_size) {
+void check_inputs(const at::Tensor& q, const at::Tensor& kv_cache,
+                  const at::Tensor& summary, const at::Tensor& block_tables,
+                  const at::Tensor& context_lens, const at::Tensor& topk,
+                  const at::Tensor& selected, const at::Tensor& stats, int64_t block_size) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "q: fp32 [B, H, D]");
   TORCH_CHECK(kv_dtype_supported(kv_cache) && kv_cache.is_contiguous(),
               "kv_cache: contiguous fp32 or fp16 [2, Hkv, slots, D]");
@@ -169,15 +169,15 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& kv_cache,
 
 }  // namespace
 
-torch::Tensor sparse_paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor summary,
-                                  torch::Tensor block_tables, torch::Tensor context_lens,
-                                  int64_t block_size, double scale, torch::Tensor topk,
-                                  torch::Tensor selected, torch::Tensor stats) {
+at::Tensor sparse_paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor summary,
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  int64_t block_size, double scale, at::Tensor topk,
+                                  at::Tensor selected, at::Tensor stats) {
   check_inputs(q, kv_cache, summary, block_tables, context_lens, topk, selected, stats, block_size);
   // q may be a view into the fused qkv rows: heads and dims contiguous, rows strided.
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   const int64_t B = q.size(0);
-  auto out = torch::empty({B, q.size(1) * q.size(2)}, q.options());
+  auto out = at::empty({B, q.size(1) * q.size(2)}, q.options());
   const Layer a = make_layer(q, kv_cache, summary, block_tables, context_lens, block_size, scale,
                              topk, selected, out);
   const auto fn = ts::paged::pick<ts::paged::Blocks>(a, kv_cache);
@@ -247,18 +247,18 @@ void update_head(const T* k, float* mn_h, float* mx_h, const int64_t* slots, int
 
 }  // namespace
 
-void kv_summary_update_(std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> summaries,
-                        torch::Tensor slot_mapping, int64_t block_size) {
+void kv_summary_update_(std::vector<at::Tensor> kv_caches, std::vector<at::Tensor> summaries,
+                        at::Tensor slot_mapping, int64_t block_size) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(summaries.size()) == L, "one summary per KV cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
               "slot_mapping: int64 [T]");
   if (L == 0 || slot_mapping.numel() == 0) return;
-  const torch::Tensor slots = slot_mapping.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
   const int64_t T = slots.numel(), Hkv = kv_caches[0].size(1), S = kv_caches[0].size(2);
   const int64_t D = kv_caches[0].size(3);
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor &c = kv_caches[l], &s = summaries[l];
+    const at::Tensor &c = kv_caches[l], &s = summaries[l];
     TORCH_CHECK(kv_dtype_supported(c) && c.is_contiguous() && c.sizes() == kv_caches[0].sizes(),
                 "kv_caches: contiguous fp32 or fp16 [2, Hkv, slots, D], all one shape");
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 4 &&
