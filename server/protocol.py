@@ -227,6 +227,10 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int

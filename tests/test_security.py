@@ -111,8 +111,8 @@ def keyed(tmp_path_factory, weed):
 
 
 def test_every_route_but_the_probes_needs_a_key(keyed):
-    for path in ("/v1/models", "/v1/backends", "/docs", "/openapi.json", "/v1/kv/events",
-                 "/v1/no-such-route", "/metrics/", "/healthz"):
+    for path in ("/v1/models", "/v1/models/smollm2-135m", "/version", "/v1/backends", "/docs",
+                 "/openapi.json", "/v1/kv/events", "/v1/no-such-route", "/metrics/", "/healthz"):
         r = httpx.get(keyed.base_url + path, timeout=30)
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+import tierserve
 from server_fixtures import API_KEY, MODEL, run_server, scrape
 
 PROMPT = "The capital of France is"
@@ -45,6 +46,14 @@ def test_models(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 2048
+    assert client.models.retrieve(MODEL) == models[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert "`org/other-model` does not exist" in e.value.body["message"]
+    r = httpx.get(server.base_url + "/version", timeout=30,
+                  headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json() == {"version": tierserve.__version__}
 
 
 def test_completion_usage_and_finish(client):

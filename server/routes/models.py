@@ -1,25 +1,42 @@
-"""GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics."""
+"""GET /v1/models, GET /v1/models/{model}, GET /version, GET /health, POST /tokenize,
+POST /detokenize, GET /metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tierserve import __version__
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                             TokenizeRequest, TokenizeResponse)
+                             TokenizeRequest, TokenizeResponse, VersionResponse)
 from tierserve.server.routes.chat import render_chat
 from tierserve.server.serving import check_model, context
 
 router = APIRouter()
 
 
+def _card(request: Request) -> ModelCard:
+    ctx = context(request)
+    return ModelCard(id=ctx.config.model_name, created=ctx.created, root=ctx.config.model,
+                     max_model_len=ctx.engine.max_model_len)
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    ctx = context(request)
-    card = ModelCard(id=ctx.config.model_name, created=ctx.created, root=ctx.config.model,
-                     max_model_len=ctx.engine.max_model_len)
-    return ModelList(data=[card])
+    return ModelList(data=[_card(request)])
+
+
+# The openai client's models.retrieve(); `path` keeps ids with a slash ("org/name") whole.
+@router.get("/v1/models/{model:path}", response_model=ModelCard)
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    check_model(context(request), model)
+    return _card(request)
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> VersionResponse:
+    return VersionResponse(version=__version__)
 
 
 # Probes send HEAD as often as GET: both answer the same (HEAD without a body).
