@@ -37,6 +37,10 @@ class TextTokenizer:
         if self.chat_template:
             self._template = _template_env().from_string(self.chat_template)
 
+    def set_chat_template(self, text: str) -> None:
+        """Use `text` in place of the model's template; a syntax error is a ValueError."""
+        self._template, self.chat_template = compile_chat_template(text), text
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # A tokenizer.json may add BOS in its post-processor (Llama 3); a GGUF-built one has none
         # and says so with add_bos instead. The check below keeps BOS from doubling.
@@ -57,6 +61,16 @@ class TextTokenizer:
             raise ValueError("this model has no chat template; use /v1/completions")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def compile_chat_template(text: str):
+    """The template, compiled as transformers would; a syntax error is a ValueError."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return _template_env().from_string(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the template does not parse: {e} (line {e.lineno})") from None
 
 
 def _raise(message: str) -> None:

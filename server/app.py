@@ -12,10 +12,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.async_engine import AsyncEngine
-from tierserve.server.config import ServerConfig
+from tierserve.server.config import ServerConfig, read_chat_template
 from tierserve.server.errors import ApiError, error_response, validation_message
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.policy import TierRef, parse_hints
@@ -123,6 +124,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     metrics = ServerMetrics(lambda: engine.snapshot, config.model_name, tiers)
     ctx = ServerContext(config, engine, metrics, int(time.time()), tier_refs(tiers))
     engine.engine.default_hints = parse_hints(config.default_hint_headers(), None, ctx.tiers)
+    if config.chat_template is not None:
+        engine.tokenizer.set_chat_template(read_chat_template(config.chat_template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -138,6 +141,10 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     app.add_middleware(RequestGate, config=config,
                        on_denied=lambda status: metrics.http_errors.labels(metrics.model,
                                                                            str(status)).inc())
+    if config.allowed_origins:  # added last: outermost, so a preflight never meets the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id", "X-KV-Policy", "X-KV-Hit-Tokens"])
     _pin_model_name(app, config.model_name)
     return app
 

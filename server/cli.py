@@ -16,7 +16,7 @@ import sys  # noqa: E402
 import typing  # noqa: E402
 
 from tierserve.server.config import (BYTE_FIELDS, ENV_PREFIX, FIELDS, ServerConfig,  # noqa: E402
-                                     load_config, split_keys)
+                                     load_config, read_chat_template, split_keys)
 
 log = logging.getLogger("tierserve.server.cli")
 
@@ -36,7 +36,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
         if typing.get_origin(kind) is tuple:  # api_key: repeatable, each may be a comma list
-            p.add_argument(flag, action="append", default=None, metavar="KEY", help=doc)
+            p.add_argument(flag, action="append", default=None,
+                           metavar="KEY" if name == "api_key" else "VALUE", help=doc)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         conv = str if name in BYTE_FIELDS else base
@@ -88,9 +89,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.engine.async_engine import AsyncEngine
     from tierserve.engine.llm import build_config
     from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.engine.tokenizer import compile_chat_template
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
 
+    if config.chat_template is not None:  # before the model loads: a typo fails in a second
+        try:
+            compile_chat_template(read_chat_template(config.chat_template))
+        except (OSError, ValueError) as e:
+            print(f"tierserve serve: chat_template: {e}", file=sys.stderr)
+            return 2
     try:
         engine_config = build_config(**config.engine_kwargs())
     except ValueError as e:  # e.g. a sparse setting out of range

@@ -28,11 +28,19 @@ class ServerConfig:
     """Engine model: an embedded alias, a .gguf file or a Hugging Face directory."""
     served_model_name: str | None = None
     """Name clients use in the `model` field; defaults to `model`."""
+    chat_template: str | None = None
+    """A Jinja chat template in place of the model's own, for /v1/chat/completions: a file's path
+    or the template text itself (as vLLM's --chat-template). A template that does not parse stops
+    start-up with the error."""
     api_key: tuple[str, ...] = ()
     """API keys (repeat the flag or separate with commas); when set, every route but /health and
     /metrics requires `Authorization: Bearer <one of them>`."""
     api_key_file: str | None = None
     """File of more API keys, one a line (blank lines and # comments ignored)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed to call the API (CORS; repeat the flag or separate with commas;
+    `*` for any). Preflight requests are answered before the API-key check; the key is still
+    required on the request itself. Unset: no CORS headers."""
     auth_health_metrics: bool = False
     """Require an API key on /health and /metrics too (probes and scrapers must then send one)."""
     max_queue: int = 256
@@ -258,6 +266,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
         if values.get(key) is not None:
             values[key] = parse_bytes(values[key])
     values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
+    if values.get("allowed_origins") is not None:
+        values["allowed_origins"] = split_keys(values["allowed_origins"])
     return ServerConfig(**values)
 
 
@@ -276,3 +286,14 @@ def _api_keys(given: Any, key_file: str | None) -> tuple[str, ...]:
             raise ValueError(f"api_key_file: {key_file} holds no key")
         keys += found
     return keys
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's value as template text: the file it names, else the value itself when
+    it holds Jinja markup; anything else is a ValueError (a mistyped path, say)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
