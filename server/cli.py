@@ -12,6 +12,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
+import ssl  # noqa: E402
 import sys  # noqa: E402
 import typing  # noqa: E402
 
@@ -93,6 +94,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
 
+    if config.ssl_certfile is not None:  # before the model loads, as the template below
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.ssl_certfile,
+                                                                    config.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            print(f"tierserve serve: ssl_certfile/ssl_keyfile: {e}", file=sys.stderr)
+            return 2
     if config.chat_template is not None:  # before the model loads: a typo fails in a second
         try:
             compile_chat_template(read_chat_template(config.chat_template))
@@ -114,7 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.start()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
-                               timeout_graceful_shutdown=int(config.drain_timeout_s))
+                               timeout_graceful_shutdown=int(config.drain_timeout_s),
+                               ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
     redact_log_output(secrets)  # uvicorn.Config set up its own handlers
     server = _draining_server(uv_config, engine)
     server.run()

@@ -93,6 +93,11 @@ class ServerConfig:
     cap of requests that ask for none; unset: what the context leaves."""
     max_body_bytes: int = 4 << 20
     """Request bodies larger than this get 413 (accepts suffixes: 64KiB, 4MiB)."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS with this certificate chain (PEM); needs ssl_keyfile. Unset: plain HTTP (put
+    TLS in a proxy in front, or set both)."""
+    ssl_keyfile: str | None = None
+    """The certificate's private key (PEM, unencrypted)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     log_level: str = "info"
@@ -266,6 +271,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
         if values.get(key) is not None:
             values[key] = parse_bytes(values[key])
     values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
+    if (values.get("ssl_certfile") is None) != (values.get("ssl_keyfile") is None):
+        raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
     if values.get("allowed_origins") is not None:
         values["allowed_origins"] = split_keys(values["allowed_origins"])
     return ServerConfig(**values)

@@ -1,16 +1,21 @@
 """Serving options a vLLM user brings along: a chat template of their own (--chat-template, a file
-or the text) and browser access (--allowed-origins, CORS), on a real `tierserve serve`."""
+or the text), browser access (--allowed-origins, CORS) and HTTPS (--ssl-certfile/--ssl-keyfile),
+on a real `tierserve serve`."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import ssl
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
 import pytest
 
-from server_fixtures import API_KEY, MODEL, run_server
+from server_fixtures import API_KEY, MODEL, free_port, run_server, server_process
 
 TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")
@@ -74,3 +79,54 @@ def test_a_bad_chat_template_stops_start_up_with_one_line(value, words):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("tierserve serve:")]
     assert line.startswith("tierserve serve: chat_template:") and words in line, r.stderr
     assert "Loading" not in r.stderr and "backend" not in r.stderr  # failed before the model
+
+
+def _self_signed(folder) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_with_a_certificate_and_the_probe_follows(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    port = free_port()
+    cmd = [sys.executable, "-m", "tierserve", "serve", "--port", str(port), "--log-level",
+           "warning", "--kv-cache-memory-bytes", "256MiB", "--ssl-certfile", cert,
+           "--ssl-keyfile", key]
+    trust = ssl.create_default_context(cafile=cert)
+    with server_process(cmd, port, tmp_path / "tls.log", dict(os.environ)) as srv:
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and srv.proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", verify=trust, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120,
+                               http_client=httpx.Client(verify=trust))
+        out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                        max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+        probe = subprocess.run([sys.executable, "-m", "tierserve.server.healthcheck"],
+                               env=dict(os.environ, TIERSERVE_PORT=str(port),
+                                        TIERSERVE_SSL_CERTFILE=cert),
+                               capture_output=True, text=True, timeout=30)
+        assert probe.returncode == 0, probe.stderr
+
+
+def test_a_certificate_without_its_key_or_unreadable_stops_start_up(tmp_path):
+    cert, _ = _self_signed(tmp_path) if shutil.which("openssl") else (str(tmp_path / "c"), "")
+    for args, words in ((["--ssl-certfile", cert], "give both or neither"),
+                        (["--ssl-certfile", cert, "--ssl-keyfile", str(tmp_path / "no.pem")],
+                         "ssl_certfile/ssl_keyfile")):
+        r = subprocess.run([sys.executable, "-m", "tierserve", "serve", "--port", "0", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert words in r.stderr.strip().splitlines()[-1], r.stderr
