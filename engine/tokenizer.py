@@ -56,11 +56,19 @@ class TextTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **variables) -> str:
+        """The prompt text; `variables` are more template variables (enable_thinking=False),
+        never one of TEMPLATE_VARIABLES."""
         if self._template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._template.render(variables, messages=messages,
+                                     add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+"""What apply_chat_template always sets."""
 
 
 def compile_chat_template(text: str):

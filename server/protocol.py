@@ -85,6 +85,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """vLLM's: more variables for the chat template (Qwen3's `enable_thinking`, say)."""
 
 
 class TokenizeRequest(_Body):
@@ -93,6 +95,7 @@ class TokenizeRequest(_Body):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Body):

@@ -17,7 +17,8 @@ import pytest
 
 from server_fixtures import API_KEY, MODEL, free_port, run_server, server_process
 
-TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
+TEMPLATE = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
+            "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")
 UI = "https://ui.example"
 KEY = {"Authorization": f"Bearer {API_KEY}"}
@@ -44,6 +45,29 @@ def test_chat_uses_the_given_template(server):
     client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
     assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def rendered(**extra) -> tuple[int, str]:
+        r = httpx.post(server.base_url + "/tokenize", headers=KEY, timeout=60,
+                       json={"model": MODEL, "messages": messages, **extra})
+        assert r.status_code == 200, r.text
+        ids = r.json()["tokens"]
+        return len(ids), httpx.post(server.base_url + "/detokenize", headers=KEY, timeout=60,
+                                    json={"tokens": ids}).json()["prompt"]
+
+    n, text = rendered(chat_template_kwargs={"greeting": "hey"})
+    assert text == "[hey]<<user>> Hi\n<<assistant>>" and n > rendered()[0]
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                         extra_body={"chat_template_kwargs": {"greeting": "hey"}})
+    assert out.usage.prompt_tokens == n
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs.messages"
 
 
 def test_a_browser_origin_gets_cors_headers_and_still_needs_the_key(server):

@@ -7,6 +7,7 @@ from fastapi.responses import StreamingResponse
 
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampler import TopLogprobs
+from tierserve.engine.tokenizer import TEMPLATE_VARIABLES
 from tierserve.server.deltas import Delta, token_infos, usage_of
 from tierserve.server.errors import bad_request
 from tierserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -28,7 +29,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     ctx, call = context(request), start_call(request, body)
     check_model(ctx, body.model)
     _reject_unsupported(body)
-    ids = [render_chat(ctx, body.messages, body.add_generation_prompt is not False)]
+    ids = [render_chat(ctx, body.messages, body.add_generation_prompt is not False,
+                       body.chat_template_kwargs)]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     top = body.top_logprobs
@@ -62,10 +64,16 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
                           "only 'text'", "response_format", code="unsupported_parameter")
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Messages -> prompt token ids through the model's chat template."""
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Messages -> prompt token ids through the chat template; `template_kwargs` are more
+    variables for it (they may not replace the ones the server sets)."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    taken = sorted(set(template_kwargs or {}) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {taken}: the server sets them",
+                          f"chat_template_kwargs.{taken[0]}")
     plain = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
@@ -75,7 +83,8 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
                       "content": _content(m, i)})
     tok = ctx.engine.tokenizer
     try:
-        text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                       **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"messages could not be rendered with the chat template: {e}",
                           "messages") from None

@@ -59,7 +59,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        ids = render_chat(ctx, body.messages, body.add_generation_prompt is not False)
+        ids = render_chat(ctx, body.messages, body.add_generation_prompt is not False,
+                          body.chat_template_kwargs)
     else:
         ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
                                           is not False)
