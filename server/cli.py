@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports torch
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
@@ -179,7 +180,33 @@ def _draining_server(config, engine):
                 self._captured_signals = [s for s in self._captured_signals
                                           if s != signal.SIGTERM]
 
+        async def _wait_tasks_to_complete(self) -> None:
+            reaper = asyncio.get_running_loop().create_task(
+                _abort_lingering_closes(self.server_state.connections))
+            try:
+                await super()._wait_tasks_to_complete()
+            finally:
+                reaper.cancel()
+
     return DrainingServer(config)
+
+
+async def _abort_lingering_closes(connections, grace_s: float = 1.0) -> None:
+    """Shutdown closes idle keep-alive connections (and each busy one once its response is out).
+    Over TLS a close waits for the client's close_notify, which an idle pooled client never
+    sends, so every such connection held the exit for asyncio's 30 s SSL shutdown timeout. A
+    connection still closing `grace_s` after it began is aborted; one with a response in flight
+    is not closing and drains as before."""
+    loop, since = asyncio.get_running_loop(), {}
+    while True:
+        for conn in list(connections):
+            transport = getattr(conn, "transport", None)
+            if transport is None or not transport.is_closing():
+                continue
+            first = since.setdefault(id(conn), loop.time())
+            if loop.time() - first > grace_s:
+                transport.abort()
+        await asyncio.sleep(0.1)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

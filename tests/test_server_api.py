@@ -52,8 +52,9 @@ def test_models(client, server):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert "`org/other-model` does not exist" in e.value.body["message"]
     r = httpx.get(server.base_url + "/version", timeout=30,
-                  headers={"Authorization": f"Bearer {API_KEY}"})
+                  headers={"Authorization": f"Bearer {API_KEY}", "Origin": "https://ui.example"})
     assert r.status_code == 200 and r.json() == {"version": tierserve.__version__}
+    assert "access-control-allow-origin" not in r.headers  # no --allowed-origins: no CORS
 
 
 def test_completion_usage_and_finish(client):
