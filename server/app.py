@@ -145,7 +145,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["X-Request-Id", "X-KV-Policy", "X-KV-Hit-Tokens"])
-    _pin_model_name(app, config.model_name)
+    _pin_model_name(app, config.model_names)
     return app
 
 
@@ -157,8 +157,8 @@ def tier_refs(tiers) -> list[TierRef]:
             for name, t in tiers.manager.tiers.items()]
 
 
-def _pin_model_name(app: FastAPI, name: str) -> None:
-    """The schema's `model` fields list the one served name (any other gets 404)."""
+def _pin_model_name(app: FastAPI, names: tuple[str, ...]) -> None:
+    """The schema's `model` fields list the served names (any other gets 404)."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -167,7 +167,7 @@ def _pin_model_name(app: FastAPI, name: str) -> None:
             for comp in schema.get("components", {}).get("schemas", {}).values():
                 model = comp.get("properties", {}).get("model")
                 if model is not None and model.get("type") == "string":
-                    model["enum"] = [name]
+                    model["enum"] = list(names)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -26,8 +26,9 @@ class ServerConfig:
     """TCP port to listen on."""
     model: str = "smollm2-135m"
     """Engine model: an embedded alias, a .gguf file or a Hugging Face directory."""
-    served_model_name: str | None = None
-    """Name clients use in the `model` field; defaults to `model`."""
+    served_model_name: tuple[str, ...] = ()
+    """Names clients may use in the `model` field (repeat the flag or separate with commas, as
+    vLLM's takes several); responses and metrics carry the first. Unset: `model`."""
     chat_template: str | None = None
     """A Jinja chat template in place of the model's own, for /v1/chat/completions: a file's path
     or the template text itself (as vLLM's --chat-template). A template that does not parse stops
@@ -163,7 +164,13 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The name responses and metrics carry."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may use."""
+        return self.served_model_name or (self.model,)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Flat keyword arguments for engine.llm.build_config."""
@@ -273,8 +280,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
     values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
     if (values.get("ssl_certfile") is None) != (values.get("ssl_keyfile") is None):
         raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
-    if values.get("allowed_origins") is not None:
-        values["allowed_origins"] = split_keys(values["allowed_origins"])
+    for key in ("allowed_origins", "served_model_name"):  # a YAML string or list, a flag list
+        if key in values:
+            values[key] = split_keys(values[key])
     return ServerConfig(**values)
 
 

@@ -96,9 +96,10 @@ def kv_echo(ctx: ServerContext, call: Call, decision: TierDecision | None,
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.config.model_name:
+    names = ctx.config.model_names
+    if model is not None and model not in names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{ctx.config.model_name}` (see GET /v1/models).",
+                            f"{', '.join(f'`{n}`' for n in names)} (see GET /v1/models).",
                        param="model", code="model_not_found")
 
 

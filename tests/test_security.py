@@ -52,7 +52,7 @@ def test_environment_settings_sit_between_yaml_and_flags(tmp_path):
     assert cfg.max_n == 8  # flag over environment
     assert cfg.enable_prefix_caching is False and cfg.cpu_tier_bytes == 512 << 20
     assert cfg.max_body_bytes == 64 << 10 and cfg.default_slo_ttft_ms == 250.0
-    assert cfg.served_model_name is None  # an empty variable is unset
+    assert cfg.served_model_name == ()  # an empty variable is unset
     assert _parse("--config", "default", environ=env).port == 8000  # --config beats the variable
     for word, value in [("1", True), ("TRUE", True), ("yes", True), ("0", False), ("false", False)]:
         assert _parse(environ={"TIERSERVE_AUTH_HEALTH_METRICS": word}).auth_health_metrics is value

@@ -30,7 +30,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("opts")
     (tmp / "chat.jinja").write_text(TEMPLATE)
     with run_server(tmp, "--api-key", API_KEY, "--chat-template", str(tmp / "chat.jinja"),
-                    "--allowed-origins", UI) as s:
+                    "--allowed-origins", UI, "--served-model-name", f"{MODEL},org/alias") as s:
         yield s
 
 
@@ -46,6 +46,20 @@ def test_chat_uses_the_given_template(server):
     client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
     assert out.usage.prompt_tokens == len(ids) and out.choices[0].message.content
+
+
+def test_every_served_name_is_the_model_and_answers_carry_the_first(server):
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL, "org/alias"]
+    assert client.models.retrieve("org/alias").id == "org/alias"
+    out = client.completions.create(model="org/alias", prompt="Hello", max_tokens=2)
+    assert out.model == MODEL and out.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="alias", prompt="Hello", max_tokens=2)
+    assert f"serves `{MODEL}`, `org/alias`" in e.value.body["message"]
+    schema = httpx.get(server.base_url + "/openapi.json", headers=KEY, timeout=30).json()
+    enum = schema["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"]
+    assert enum == [MODEL, "org/alias"]
 
 
 def test_chat_template_kwargs_reach_the_template(server):

@@ -16,22 +16,23 @@ from tierserve.server.serving import check_model, context
 router = APIRouter()
 
 
-def _card(request: Request) -> ModelCard:
+def _card(request: Request, name: str) -> ModelCard:
     ctx = context(request)
-    return ModelCard(id=ctx.config.model_name, created=ctx.created, root=ctx.config.model,
+    return ModelCard(id=name, created=ctx.created, root=ctx.config.model,
                      max_model_len=ctx.engine.max_model_len)
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request)])
+    """A card per served name (one model behind them all)."""
+    return ModelList(data=[_card(request, n) for n in context(request).config.model_names])
 
 
 # The openai client's models.retrieve(); `path` keeps ids with a slash ("org/name") whole.
 @router.get("/v1/models/{model:path}", response_model=ModelCard)
 async def retrieve_model(model: str, request: Request) -> ModelCard:
     check_model(context(request), model)
-    return _card(request)
+    return _card(request, model)
 
 
 @router.get("/version", response_model=VersionResponse)
