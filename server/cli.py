@@ -37,7 +37,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
-        if typing.get_origin(kind) is tuple:  # api_key: repeatable, each may be a comma list
+        if typing.get_origin(kind) is tuple:  # repeatable, each may be a comma list
             p.add_argument(flag, action="append", default=None,
                            metavar="KEY" if name == "api_key" else "VALUE", help=doc)
             continue
