@@ -150,13 +150,13 @@ class TierIO:
                 t0 = time.monotonic()
                 tier.contains_prefix([absent])
                 self.cost.observe_lookup(name, time.monotonic() - t0)
-                best = None
+                reads = []
                 for key in tier.keys()[-3:]:  # the fastest of a few reads: start-up is busy
                     t0 = time.monotonic()
                     tier._read(key)  # no touch, no counters: a probe, not a load
-                    best = min(best or float("inf"), time.monotonic() - t0)
-                if best is not None:
-                    self.cost.observe_load(name, self.manager.layout.block_bytes, best)
+                    reads.append(time.monotonic() - t0)
+                if reads:
+                    self.cost.observe_load(name, self.manager.layout.block_bytes, min(reads))
             except Exception:  # noqa: BLE001 - unmeasured: the first real load measures it
                 log.info("probing the %s tier failed; its first load measures it", name)
 

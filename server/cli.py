@@ -203,7 +203,7 @@ async def _abort_lingering_closes(connections, grace_s: float = 1.0) -> None:
             transport = getattr(conn, "transport", None)
             if transport is None or not transport.is_closing():
                 continue
-            first = since.setdefault(id(conn), loop.time())
+            first = since.setdefault(conn, loop.time())
             if loop.time() - first > grace_s:
                 transport.abort()
         await asyncio.sleep(0.1)

@@ -4,10 +4,11 @@
 
 The port is TIERSERVE_PORT (default 8000); with TIERSERVE_SSL_CERTFILE set the server speaks
 HTTPS and so does the probe (to 127.0.0.1, whatever names the certificate holds: it is not
-verified, the probe only asks whether this container's server answers). Started with --auth-health-metrics, the server asks for
-a key on /health too: the probe sends the first key of TIERSERVE_API_KEY, or of the file named by
-TIERSERVE_API_KEY_FILE, the variables the server itself reads (a key given only as a flag is not
-visible here: override the healthcheck then). It imports no torch: it runs every 30 seconds."""
+verified, the probe only asks whether this container's server answers). Started with
+--auth-health-metrics, the server asks for a key on /health too: the probe sends the first key of
+TIERSERVE_API_KEY, or of the file named by TIERSERVE_API_KEY_FILE, the variables the server itself
+reads (a key given only as a flag is not visible here: override the healthcheck then). It imports
+no torch: it runs every 30 seconds."""
 
 from __future__ import annotations
 
