@@ -172,7 +172,8 @@ def _chat(**kw) -> dict:
             **kw}
 
 
-def bad_cases(max_in_flight: int, max_body_bytes: int, max_model_len: int) -> list[BadCase]:
+def bad_cases(max_in_flight: int, max_body_bytes: int, max_model_len: int,
+              max_header_bytes: int = 64 << 10) -> list[BadCase]:
     comp, chat = "/v1/completions", "/v1/chat/completions"
     huge = "word " * (max_body_bytes // 5 + 100)
     return [
@@ -226,12 +227,70 @@ def bad_cases(max_in_flight: int, max_body_bytes: int, max_model_len: int) -> li
         BadCase("oversized_body", comp, _c(prompt=huge), 413, None, "request_too_large"),
         BadCase("oversized_body_chunked", comp, json.dumps(_c(prompt=huge)).encode(), 413, None,
                 "request_too_large", {"Transfer-Encoding": "chunked"}),
+        *unicode_and_type_cases(max_header_bytes),
     ]
 
 
-def send_bad(base_url: str, case: BadCase) -> str | None:
+LONE = "\ud800"
+"""A lone UTF-16 surrogate: valid in JSON text, not encodable as UTF-8."""
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"model": "smollm2-135m", "prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def unicode_and_type_cases(max_header_bytes: int = 64 << 10) -> list[BadCase]:
+    """Input that used to reach a 500 or be misread: lone surrogates in every kind of string
+    field, booleans for numbers, min_tokens without max_tokens, an empty cache_salt, bodies
+    Python's JSON parser cannot take, an oversize header."""
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    no_max = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    return [
+        BadCase("surrogate_prompt", comp, _c(prompt=f"a{LONE}b"), 400, "prompt", "invalid_value"),
+        BadCase("surrogate_prompts", comp, _c(prompt=["ok", LONE]), 400, "prompt",
+                "invalid_value"),
+        BadCase("surrogate_cache_salt", comp, _c(cache_salt=LONE), 400, "cache_salt",
+                "invalid_value"),
+        BadCase("surrogate_model", comp, _c() | {"model": LONE}, 400, "model", "invalid_value"),
+        BadCase("surrogate_stop", comp, _c(stop=[LONE]), 400, "stop", "invalid_value"),
+        BadCase("surrogate_user", chat, _chat(user=LONE), 400, "user", "invalid_value"),
+        BadCase("surrogate_content", chat, _chat(messages=[{"role": "user", "content": LONE}]),
+                400, "messages", "invalid_value"),
+        BadCase("surrogate_content_part", chat, _chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": LONE}]}]), 400, "messages", "invalid_value"),
+        BadCase("surrogate_tokenize", "/tokenize", {"prompt": LONE}, 400, "prompt",
+                "invalid_value"),
+        BadCase("surrogate_kv_params_key", comp, _c(kv_transfer_params={LONE: 1}), 400,
+                "kv_transfer_params", "invalid_value"),
+        BadCase("surrogate_template_kwargs", chat, _chat(chat_template_kwargs={"x": LONE}), 400,
+                "chat_template_kwargs", "invalid_value"),
+        BadCase("empty_cache_salt", comp, _c(cache_salt=""), 400, "cache_salt", "invalid_value"),
+        BadCase("min_tokens_without_max", chat, no_max | {"min_tokens": 10 ** 12}, 400,
+                "min_tokens", "invalid_value"),
+        BadCase("max_tokens_bool", comp, _c(max_tokens=True), 400, "max_tokens", "invalid_type"),
+        BadCase("n_bool", chat, _chat(n=True), 400, "n", "invalid_type"),
+        BadCase("seed_bool", comp, _c(seed=False), 400, "seed", "invalid_type"),
+        BadCase("temperature_bool", comp, _c(temperature=True), 400, "temperature",
+                "invalid_type"),
+        BadCase("token_ids_bool", comp, _c(prompt=[True, False]), 400, "prompt", "invalid_type"),
+        BadCase("detokenize_bool", "/detokenize", {"tokens": [1, True]}, 400, "tokens[1]",
+                "invalid_type"),
+        BadCase("bad_utf8", comp, b'{"model": "smollm2-135m", "prompt": "h\xffi"}', 400, None,
+                "invalid_json"),
+        BadCase("deep_nesting", comp, _nested(100), 400, "x", "invalid_json"),
+        BadCase("deeper_than_the_parser", comp, _nested(50_000), 400, None, "invalid_json"),
+        BadCase("huge_integer", comp, b'{"model": "smollm2-135m", "prompt": "hi", "seed": '
+                + b"9" * 5000 + b"}", 400, None, "invalid_json"),
+        BadCase("nan", comp, b'{"model": "smollm2-135m", "prompt": "hi", "top_p": NaN}', 400,
+                None, "invalid_json"),
+        BadCase("oversize_header", comp, _c(), 431, None, "request_header_too_large",
+                {"X-Padding": "p" * (max_header_bytes + 1024)}),
+    ]
+
+
+def send_bad(base_url: str, case: BadCase, auth: dict[str, str] | None = None) -> str | None:
     """None when the server refused `case` cleanly, else what was wrong."""
-    headers = {"content-type": "application/json", **case.headers}
+    headers = {"content-type": "application/json", **(auth or {}), **case.headers}
     chunked = headers.pop("Transfer-Encoding", None) is not None
     body = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
     content = _chunks(body) if chunked else body  # a generator: no Content-Length header

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tierserve.engine.kv_hints import KVHints
@@ -47,6 +47,8 @@ class ChildRequest:
     priority: int = 0
     cache_salt: str | None = None
     kv_hints: KVHints | None = None
+    cache_scope: str | None = None
+    """Who may share the child's KV blocks (Request.cache_scope)."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,14 @@ class EngineSnapshot:
     steps: int = 0
     num_preemptions: int = 0
     iteration_tokens: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    """Tokens per step as (bucket bounds, counts per bucket, sum)."""
     table_width: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     metadata_bytes: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     metadata_seconds: float = 0.0
     sparse: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
     """Sparse decode: steps, blocks attended, blocks dense would read, selection seconds."""
-    """Tokens per step as (bucket bounds, counts per bucket, sum)."""
+    num_tracked: int = 0
+    """Requests the engine holds state for (a refused request must leave none)."""
 
 
 class QueueFull(Exception):
@@ -179,9 +183,10 @@ class AsyncEngine:
         self._publish()
         self._thread.start()
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams,
+              cache_salt: str | None = None) -> None:
         """Raise ParamError now, before a stream opens. Pure: reads only frozen engine limits."""
-        self.engine.check_prompt(prompt_token_ids, params)
+        self.engine.check_prompt(prompt_token_ids, params, cache_salt)
 
     def add_group(self, children: list[ChildRequest]) -> GroupStream:
         """Admit every child or none (QueueFull / EngineStopped / ParamError)."""
@@ -194,7 +199,7 @@ class AsyncEngine:
                                   f"(prompts x n); the server holds at most {self.max_in_flight} "
                                   f"at once (max_num_seqs + max_queue)")
         for c in children:
-            self.check(c.prompt_token_ids, c.params)
+            self.check(c.prompt_token_ids, c.params, c.cache_salt)
         with self._lock:
             if self._in_flight + len(children) > self.max_in_flight:
                 raise QueueFull(f"{self._in_flight} requests in flight; the limit is "
@@ -290,7 +295,8 @@ class AsyncEngine:
             for c in stream.children:
                 self.engine.add_request(c.request_id, c.prompt_token_ids, c.params,
                                         priority=c.priority, cache_salt=c.cache_salt,
-                                        arrival_time=now, kv_hints=c.kv_hints)
+                                        arrival_time=now, kv_hints=c.kv_hints,
+                                        cache_scope=c.cache_scope)
         except ParamError as e:  # checked before admission; only a changed engine gets here
             self._fail_stream(stream, e)
             return
@@ -353,7 +359,7 @@ class AsyncEngine:
                                        _hist(st.table_width), _hist(st.metadata_bytes),
                                        st.metadata_seconds,
                                        (sp.steps, sp.blocks_attended, sp.blocks_total,
-                                        sp.selection_seconds))
+                                        sp.selection_seconds), e.num_tracked)
 
 
 def _hist(b) -> tuple[tuple[float, ...], tuple[int, ...], float]:

@@ -2,7 +2,7 @@
 
 hash(block i) = sha256(hash(block i-1) | token ids of block i | extra keys). The extra keys hold
 the model fingerprint (model digest, dtype, KV dtype, block size, layer count) and the request's
-cache salt, so equal keys mean equal KV bytes across requests, processes and restarts. Python's
+cache scope and salt (scope_key), so equal keys mean equal KV bytes across requests, processes and restarts. Python's
 built-in hash() is salted per process and so is not used.
 """
 
@@ -30,6 +30,20 @@ def extend_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size:
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else ROOT
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
+
+
+def scope_key(scope: str | None, salt: str | None) -> bytes:
+    """The request's share of the extra keys: its cache scope (the server's per-API-key scope,
+    or None) and its cache salt (or None). Empty when both are None, so unscoped, unsalted
+    requests keep the hashes they always had; otherwise a digest of both, length-prefixed, so
+    no choice of salt can reproduce another scope's key."""
+    if scope is None and salt is None:
+        return b""
+    h = hashlib.sha256()
+    for part in (scope, salt):
+        raw = b"" if part is None else part.encode("utf-8")
+        h.update(struct.pack("<bI", part is not None, len(raw)) + raw)
+    return h.digest()[:16]
 
 
 def fingerprint(*parts: object) -> bytes:

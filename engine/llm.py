@@ -22,7 +22,8 @@ _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 # The flat names of the tier settings (flags, YAML keys, LLM(...) keywords) -> TierConfig fields.
 TIER_ARGS = {"cpu_tier_bytes": "cpu_bytes", "disk_tier_dir": "disk_dir",
              "disk_tier_bytes": "disk_bytes", "s3_bucket": "s3_bucket", "s3_prefix": "s3_prefix",
-             "s3_endpoint_url": "s3_endpoint_url", "s3_region": "s3_region"}
+             "s3_endpoint_url": "s3_endpoint_url", "s3_region": "s3_region",
+             "kv_events_token_ids": "event_token_ids"}
 
 # The flat names of the sparse decode settings -> SparseConfig fields.
 SPARSE_ARGS = {"sparse_topk_blocks": "topk_blocks", "sparse_topk_ratio": "topk_ratio",

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierserve.engine.block_hash import fingerprint
+from tierserve.engine.block_hash import fingerprint, scope_key
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
@@ -168,32 +168,42 @@ class LLMEngine:
             self.tier_io.close()
 
     def _hash_extra(self, req: Request) -> bytes:
-        return self.fingerprint + (req.cache_salt or "").encode()
+        return self.fingerprint + scope_key(req.cache_scope, req.cache_salt)
 
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None, kv_hints: KVHints | None = None) -> None:
+                    arrival_time: float | None = None, kv_hints: KVHints | None = None,
+                    cache_scope: str | None = None) -> None:
+        """Admit one request, or raise ParamError and keep nothing of it: every check runs
+        before the request is recorded."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_prompt(ids, params)
+        self.check_prompt(ids, params, cache_salt)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(RequestId(request_id), ids, params, max_tokens, priority=priority,
-                      cache_salt=cache_salt, hints=kv_hints or self.default_hints)
+                      cache_salt=cache_salt, cache_scope=cache_scope,
+                      hints=kv_hints or self.default_hints)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                        params.skip_special_tokens)
+        self.scheduler.add_request(req)  # hashes the prompt first: a failure records nothing
         self._tracked[req.request_id] = _Tracked(
             req, text, detok, [] if params.logprobs is not None else None,
             [None] if params.prompt_logprobs is not None else None,
             {"arrival": req.arrival_time})
-        self.scheduler.add_request(req)
         self.stats.prompt_tokens += len(ids)
 
-    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    @property
+    def num_tracked(self) -> int:
+        """Requests the engine holds state for (admitted and not finished)."""
+        return len(self._tracked)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> None:
         if not ids:
             raise ParamError("prompt", "prompt must not be empty")
         if len(ids) >= self.max_model_len:
@@ -206,6 +216,10 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"max_tokens ({params.max_tokens}) plus the prompt "
                              f"({len(ids)} tokens) exceeds the context of {self.max_model_len}")
+        if len(ids) + params.min_tokens > self.max_model_len:
+            raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) plus the prompt "
+                             f"({len(ids)} tokens) exceeds the context of {self.max_model_len}")
+        _check_salt(cache_salt)
 
     def abort_request(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -301,3 +315,17 @@ class LLMEngine:
         return RequestOutput(req.request_id, tr.prompt, req.prompt_token_ids, [comp], done,
                              tr.prompt_logprobs, req.num_cached_tokens, dict(tr.metrics),
                              req.tier_decision, hits)
+
+
+def _check_salt(salt: str | None) -> None:
+    """A salt is a non-empty string of valid Unicode (vLLM refuses an empty one too): "" would
+    read as "no salt" in one place and as a salt in another."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ParamError("cache_salt", "cache_salt must be valid Unicode (it holds a lone "
+                         "surrogate)") from None

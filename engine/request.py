@@ -44,6 +44,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    """The client's salt: requests with different salts never share a KV block."""
+    cache_scope: str | None = None
+    """Who may share this request's KV blocks (the server's per-API-key scope; None: anyone with
+    the same salt). Mixed into the block hashes with the salt, so a salt cannot cross scopes."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -16,6 +14,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.async_engine import AsyncEngine
+from tierserve.server.auth import KeyRing
+from tierserve.server.body import BodyError
 from tierserve.server.config import ServerConfig, read_chat_template
 from tierserve.server.errors import ApiError, error_response, validation_message
 from tierserve.server.metrics import ServerMetrics
@@ -31,21 +31,24 @@ Exact paths: anything else, /docs and unknown routes included, needs a key when 
 
 
 class RequestGate:
-    """Pure ASGI middleware: X-Request-Id in and out, bearer-key check, request body limit."""
+    """Pure ASGI middleware: X-Request-Id in and out, bearer-key check (the verified caller goes
+    to the request's state, server/auth.py), request body limit."""
 
-    def __init__(self, app, config: ServerConfig, on_denied=None):
-        self.app, self.config = app, config
+    def __init__(self, app, config: ServerConfig, keys: KeyRing, on_denied=None):
+        self.app, self.config, self.keys = app, config, keys
         self.on_denied = on_denied
         """Called with the status of each answer the gate gives itself (401, 413): counted as
         the app's error handlers count theirs."""
-        self._digests = [_digest(k.encode()) for k in config.api_key]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rid = headers.get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        if "authorization" in headers:
+            state["caller"] = self.keys.identify(headers["authorization"])
         rid_header = (b"x-request-id", rid.encode("latin-1", "replace"))
 
         async def send_with_id(message):
@@ -53,7 +56,7 @@ class RequestGate:
                 message["headers"] = list(message.get("headers", [])) + [rid_header]
             await send(message)
 
-        denied = self._deny(scope["path"], headers)
+        denied = self._deny(scope["path"], headers, state.get("caller"))
         if denied is None and "content-length" not in headers:  # chunked: count as it comes
             receive, denied = await self._read_body(receive)
         if denied is not None:
@@ -84,11 +87,10 @@ class RequestGate:
 
         return replay, None
 
-    def _deny(self, path: str, headers: dict[str, str]):
-        if self._digests and (self.config.auth_health_metrics or path not in _OPEN):
-            auth = headers.get("authorization", "")
-            if not self._key_ok(auth):
-                what = "missing" if not auth else "incorrect"
+    def _deny(self, path: str, headers: dict[str, str], caller):
+        if self.keys.required and (self.config.auth_health_metrics or path not in _OPEN):
+            if caller is None:
+                what = "missing" if not headers.get("authorization") else "incorrect"
                 return error_response(ApiError(
                     401, f"API key {what}: send 'Authorization: Bearer <key>'.",
                     param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
@@ -96,22 +98,6 @@ class RequestGate:
         if length.isdigit() and int(length) > self.config.max_body_bytes:
             return _too_large(self.config.max_body_bytes)
         return None
-
-    def _key_ok(self, auth: str) -> bool:
-        """Compared as SHA-256 digests (equal length, so neither the key's length nor a common
-        prefix shows in the time), against every key without stopping at a match."""
-        scheme, _, token = auth.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return False
-        sent = _digest(token.strip().encode("latin-1"))  # the header's bytes as they came
-        ok = False
-        for key in self._digests:
-            ok |= hmac.compare_digest(sent, key)
-        return ok
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()
 
 
 def _too_large(limit: int):
@@ -135,10 +121,11 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="tierserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server (see docs/api.md).")
     app.state.ctx = ctx
+    keys = app.state.keys = KeyRing(config.api_key, config.admin_api_key)
     for r in (completions.router, chat.router, models.router, backends.router, kv_events.router):
         app.include_router(r)
-    _install_error_handlers(app, metrics, config.api_key)
-    app.add_middleware(RequestGate, config=config,
+    _install_error_handlers(app, metrics, config.api_key + config.admin_api_key)
+    app.add_middleware(RequestGate, config=config, keys=keys,
                        on_denied=lambda status: metrics.http_errors.labels(metrics.model,
                                                                            str(status)).inc())
     if config.allowed_origins:  # added last: outermost, so a preflight never meets the key check
@@ -198,6 +185,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics, keys: tuple[st
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         count(exc.status_code)
+        if isinstance(exc, BodyError):
+            return reply(ApiError(400, exc.message, param=exc.param, code=exc.code))
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         detail = exc.detail if isinstance(exc.detail, str) else "error"
         return reply(ApiError(exc.status_code, f"{detail}: {request.method} "

@@ -16,6 +16,7 @@ import signal  # noqa: E402
 import ssl  # noqa: E402
 import sys  # noqa: E402
 import typing  # noqa: E402
+from urllib.parse import unquote  # noqa: E402
 
 from tierserve.server.config import (BYTE_FIELDS, ENV_PREFIX, FIELDS, ServerConfig,  # noqa: E402
                                      load_config, read_chat_template, split_keys)
@@ -39,7 +40,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             continue
         if typing.get_origin(kind) is tuple:  # repeatable, each may be a comma list
             p.add_argument(flag, action="append", default=None,
-                           metavar="KEY" if name == "api_key" else "VALUE", help=doc)
+                           metavar="KEY" if name.endswith("api_key") else "VALUE", help=doc)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         conv = str if name in BYTE_FIELDS else base
@@ -94,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.engine.tokenizer import compile_chat_template
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
+    from tierserve.server.transport import limited_h11
 
     if config.ssl_certfile is not None:  # before the model loads, as the template below
         try:
@@ -123,26 +125,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.start()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
-                               timeout_graceful_shutdown=int(config.drain_timeout_s),
+                               http=limited_h11(config.header_timeout_s, config.max_header_bytes),
+                               timeout_graceful_shutdown=config.drain_timeout_s,
                                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
     redact_log_output(secrets)  # uvicorn.Config set up its own handlers
-    server = _draining_server(uv_config, engine)
+    server = _draining_server(uv_config, engine, app.state.ctx.open_groups)
     server.run()
     engine.stop()
     return 0
 
 
 def _secrets(config: ServerConfig) -> list[str]:
-    """The API keys (configured, or in TIERSERVE_API_KEY though a flag won) and the values of
-    SECRET_ENV."""
-    found = list(config.api_key) + list(split_keys(os.environ.get(ENV_PREFIX + "API_KEY")))
+    """The API and admin keys (configured, or in TIERSERVE_API_KEY / TIERSERVE_ADMIN_API_KEY though
+    a flag won) and the values of SECRET_ENV."""
+    found = list(config.api_key) + list(config.admin_api_key)
+    for var in ("API_KEY", "ADMIN_API_KEY"):  # also when a flag won over the variable
+        found += split_keys(os.environ.get(ENV_PREFIX + var))
     found += [os.environ.get(var, "") for var in SECRET_ENV]
     return [s for s in found if s]
 
 
 class _Redacting(logging.Formatter):
     """A handler's own formatter, then every secret in the finished text masked: message,
-    arguments (uvicorn's access log formats the request line from them) and traceback alike."""
+    arguments (uvicorn's access log formats the request line from them) and traceback alike.
+    The access log writes the URL as sent, so a key may also come percent-encoded
+    (`?api_key=k%2Dalpha`, `%2d`, `%252D` encoded twice, `+` for a space): when a decoding of
+    the line holds a secret, the line is written so decoded, with the secret masked."""
 
     def __init__(self, inner: logging.Formatter | None, secrets: list[str]):
         super().__init__()
@@ -150,7 +158,17 @@ class _Redacting(logging.Formatter):
         self.secrets = sorted(set(secrets), key=len, reverse=True)  # a key inside a longer one
 
     def format(self, record: logging.LogRecord) -> str:
-        text = self.inner.format(record)
+        text = probe = self._mask(self.inner.format(record))
+        for _ in range(3):  # each round peels one layer of encoding
+            if "%" not in probe and "+" not in probe:
+                break
+            probe = unquote(probe)
+            for decoded in (probe, probe.replace("+", " ")):
+                if self._mask(decoded) != decoded:
+                    text = probe = self._mask(decoded)
+        return text
+
+    def _mask(self, text: str) -> str:
         for s in self.secrets:
             text = text.replace(s, "***")
         return text
@@ -167,9 +185,10 @@ def redact_log_output(secrets: list[str]) -> None:
             handler.setFormatter(_Redacting(handler.formatter, secrets))
 
 
-def _draining_server(config, engine):
+def _draining_server(config, engine, open_groups):
     """A uvicorn.Server that stops admitting on SIGTERM, lets in-flight work finish (up to
-    drain_timeout_s), and then exits 0 instead of re-raising the signal."""
+    drain_timeout_s; streams still open just before then end with a shutting_down error event
+    and [DONE]), and then exits 0 instead of re-raising the signal."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -181,14 +200,31 @@ def _draining_server(config, engine):
                                           if s != signal.SIGTERM]
 
         async def _wait_tasks_to_complete(self) -> None:
-            reaper = asyncio.get_running_loop().create_task(
-                _abort_lingering_closes(self.server_state.connections))
+            # uvicorn runs this under asyncio.timeout(drain time), then cancels what is left
+            loop, drain_s = asyncio.get_running_loop(), self.config.timeout_graceful_shutdown
+            helpers = [loop.create_task(_abort_lingering_closes(self.server_state.connections)),
+                       loop.create_task(_end_in_time(drain_s, open_groups))]
             try:
                 await super()._wait_tasks_to_complete()
             finally:
-                reaper.cancel()
+                for task in helpers:
+                    task.cancel()
 
     return DrainingServer(config)
+
+
+async def _end_in_time(drain_s: float | None, open_groups, margin_s: float = 1.0) -> None:
+    """At the drain timeout uvicorn cancels each request's task: a stream would stop with a bare
+    close (no error event, no [DONE]), a collected answer with a plain-text 500, and the log would
+    get their tracebacks. So groups still open `margin_s` before then (a quarter of a short drain
+    time) end themselves: an error event and [DONE], or a 503; their blocks freed."""
+    if drain_s is None:
+        return
+    await asyncio.sleep(drain_s - min(margin_s, drain_s / 4))
+    ended = open_groups.end_all(f"the server is shutting down: drain_timeout_s ({drain_s:g} s) "
+                                 "ran out before this request finished")
+    if ended:
+        log.warning("drain time is up: %d open request(s) ended with a shutting_down error", ended)
 
 
 async def _abort_lingering_closes(connections, grace_s: float = 1.0) -> None:

@@ -38,6 +38,18 @@ class ServerConfig:
     /metrics requires `Authorization: Bearer <one of them>`."""
     api_key_file: str | None = None
     """File of more API keys, one a line (blank lines and # comments ignored)."""
+    admin_api_key: tuple[str, ...] = ()
+    """Operator keys (repeat the flag or separate with commas) for the routes that see across
+    tenants (GET /v1/kv/events); an ordinary API key gets 403 there. With api_key set and no
+    admin key, those routes are closed to every key."""
+    cache_scope: str | None = None
+    """Who may share prefix-cache blocks: per-key (each API key's requests hash under a scope
+    derived from its digest, so no key hits another key's blocks in the device cache or any
+    tier) or shared (every key shares blocks: one trusted tenant). Unset: per-key when API keys
+    are configured, else shared."""
+    kv_events_token_ids: bool = False
+    """KV events carry each stored block's token ids (vLLM's BlockStored.token_ids). Off: events
+    carry hashes only. On, whoever reads the events reads every tenant's prompt tokens."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins allowed to call the API (CORS; repeat the flag or separate with commas;
     `*` for any). Preflight requests are answered before the API-key check; the key is still
@@ -101,6 +113,11 @@ class ServerConfig:
     """The certificate's private key (PEM, unencrypted)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    header_timeout_s: float = 10.0
+    """Seconds a client has to send a request's headers (a new connection's, or the next one on a
+    kept-alive connection); slower connections are closed (slowloris)."""
+    max_header_bytes: int = 64 << 10
+    """Largest request line plus headers (accepts suffixes: 16KiB); more get 431."""
     log_level: str = "info"
     """Uvicorn and tierserve log level."""
     kv_tiers: str | None = None
@@ -138,10 +155,14 @@ class ServerConfig:
     """The first layers stay dense under sparse decode."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.api_key, str):  # one key or a comma list, never its characters
-            object.__setattr__(self, "api_key", split_keys(self.api_key))
-        for name in _AT_LEAST_ONE:
+        for name in _KEY_FIELDS:  # one key or a comma list, never its characters
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, split_keys(getattr(self, name)))
+        for name in (*_AT_LEAST_ONE, "cache_scope", "header_timeout_s"):
             _check(name, getattr(self, name))
+        if self.cache_scope == "per-key" and not self.api_key:
+            raise ValueError("cache_scope per-key needs api_key: without keys every caller is "
+                             "the same tenant")
 
     def describe(self) -> str:
         """The settings that differ from the defaults, in one line; API keys are counted, not
@@ -150,7 +171,7 @@ class ServerConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                shown = f"<{len(value)} keys>" if f.name == "api_key" else value
+                shown = f"<{len(value)} keys>" if f.name in _KEY_FIELDS else value
                 parts.append(f"{f.name}={shown}")
         return " ".join(parts) or "all defaults"
 
@@ -161,6 +182,11 @@ class ServerConfig:
                  ("X-SLO-Class", self.default_slo_class),
                  ("X-SLO-TTFT-Ms", self.default_slo_ttft_ms))
         return {k: str(v) for k, v in pairs if v is not None}
+
+    @property
+    def scope_per_key(self) -> bool:
+        """Each API key's requests hash under a scope of their own (cache_scope)."""
+        return (self.cache_scope or ("per-key" if self.api_key else "shared")) == "per-key"
 
     @property
     def model_name(self) -> str:
@@ -181,12 +207,13 @@ class ServerConfig:
                 "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
-                "sparse_dense_layers", "cuda_graphs")
+                "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids")
         return {k: getattr(self, k) for k in keys}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes", "max_body_bytes")
+BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes", "max_body_bytes",
+               "max_header_bytes")
 """Settings that accept size suffixes (512MiB, 2GiB)."""
 ENV_PREFIX = "TIERSERVE_"
 """Each setting is also the variable TIERSERVE_<FIELD NAME IN CAPITALS>; other TIERSERVE_* names
@@ -194,12 +221,19 @@ ENV_PREFIX = "TIERSERVE_"
 CONFIG_ENV = "TIERSERVE_CONFIG"
 """The YAML file (or preset name) when --config is not given."""
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
-_AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit")
+_AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes")
+_KEY_FIELDS = ("api_key", "admin_api_key")
+"""Secrets: counted, never shown, in the start-up line."""
+CACHE_SCOPES = ("per-key", "shared")
 
 
 def _check(name: str, value: Any) -> None:
     if name in _AT_LEAST_ONE and value is not None and value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
+    if name == "cache_scope" and value is not None and value not in CACHE_SCOPES:
+        raise ValueError(f"cache_scope must be one of {', '.join(CACHE_SCOPES)}, got {value!r}")
+    if name == "header_timeout_s" and value is not None and not value > 0:
+        raise ValueError(f"header_timeout_s must be above 0, got {value}")
 
 
 def split_keys(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -278,6 +312,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
         if values.get(key) is not None:
             values[key] = parse_bytes(values[key])
     values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
+    values["admin_api_key"] = _api_keys(values.get("admin_api_key"), None, "admin_api_key")
     if (values.get("ssl_certfile") is None) != (values.get("ssl_keyfile") is None):
         raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
     for key in ("allowed_origins", "served_model_name"):  # a YAML string or list, a flag list
@@ -286,11 +321,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
     return ServerConfig(**values)
 
 
-def _api_keys(given: Any, key_file: str | None) -> tuple[str, ...]:
+def _api_keys(given: Any, key_file: str | None, name: str = "api_key") -> tuple[str, ...]:
     """A key setting that was given but holds no key is an error, not an open server."""
     keys = split_keys(given)
     if not keys and given not in (None, (), []):
-        raise ValueError("api_key is set but holds no key (an empty key would leave the server "
+        raise ValueError(f"{name} is set but holds no key (an empty key would leave the server "
                          "open)")
     if key_file:
         try:

@@ -41,10 +41,12 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}", None, "invalid_json"
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Drop union-branch names (e.g. 'str', 'list[int]') so the path reads as the JSON field.
-    path = ".".join(x for x in loc if not _is_type_name(x)) or None
-    msg = first.get("msg", "invalid value")
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    # Drop union-branch names (e.g. 'str', 'list[int]') so the path reads as the JSON field;
+    # list positions read as JSON paths do: tokens[1].
+    path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc
+                   if isinstance(x, int) or not _is_type_name(str(x))).lstrip(".") or None
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "missing":
         return f"{path}: field required", path, "missing_required_parameter"
     extra = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""

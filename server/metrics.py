@@ -36,6 +36,8 @@ class _SnapshotCollector:
         s, lbl = self.snapshot(), [self.model]
         yield _gauge("vllm:num_requests_running", "Requests in the model execution batch.", s.num_running, lbl)
         yield _gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, lbl)
+        yield _gauge("tierserve:engine_requests_tracked", "Requests the engine holds state for "
+                     "(admitted, not finished); 0 when idle.", s.num_tracked, lbl)
         yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage, lbl)
         yield _gauge("tierserve:kv_cache_blocks_total", "KV blocks in the device pool.", s.num_blocks, lbl)
         yield _gauge("tierserve:kv_cache_blocks_free", "Free KV blocks in the device pool.", s.num_free_blocks, lbl)

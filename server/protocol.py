@@ -5,9 +5,20 @@ always names the same limits the engine enforces."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_serializer
+
+
+def _not_bool(value: Any) -> Any:
+    """JSON's true and false are not numbers (pydantic would read true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 # ---- shared ------------------------------------------------------------------------------------
 
@@ -27,38 +38,38 @@ class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    n: Optional[int] = 1
+    n: Optional[Int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[Int] = None
+    temperature: Optional[Float] = None
+    top_p: Optional[Float] = None
+    presence_penalty: Optional[Float] = None
+    frequency_penalty: Optional[Float] = None
+    logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
     # vLLM extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    top_k: Optional[Int] = None
+    min_p: Optional[Float] = None
+    repetition_penalty: Optional[Float] = None
     ignore_eos: Optional[bool] = False
-    min_tokens: Optional[int] = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Optional[Int] = 0
+    stop_token_ids: Optional[list[Int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
-    priority: Optional[int] = None
+    priority: Optional[Int] = None
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's per-request KV tier filters and budgets (server/policy.py)."""
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    max_tokens: Optional[Int] = 16
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
+    logprobs: Optional[Int] = None
+    best_of: Optional[Int] = None
     suffix: Optional[str] = None
 
 
@@ -75,10 +86,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
+    max_completion_tokens: Optional[Int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = None
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -100,7 +111,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -17,6 +18,7 @@ from tierserve.engine.async_engine import (AsyncEngine, ChildRequest, EngineStop
                                            QueueFull)
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.server.auth import caller
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
@@ -30,6 +32,27 @@ log = logging.getLogger(__name__)
 _INT64 = (1 << 63) - 1
 
 
+class OpenGroups:
+    """The groups being answered now (streamed or collected), so that a shutdown whose drain time
+    runs out can end them with a clean error instead of a cancelled task (cli's DrainingServer)."""
+
+    def __init__(self) -> None:
+        self._groups: set[GroupStream] = set()
+
+    def add(self, stream: GroupStream) -> None:
+        self._groups.add(stream)
+
+    def discard(self, stream: GroupStream) -> None:
+        self._groups.discard(stream)
+
+    def end_all(self, message: str) -> int:
+        """End each open group with EngineStopped(message) after the outputs it already has
+        (a stream: an error event and [DONE]; a collected answer: 503 shutting_down)."""
+        for stream in self._groups:
+            stream.fail(EngineStopped(message))
+        return len(self._groups)
+
+
 @dataclass
 class ServerContext:
     """Per-app state, built once at start-up."""
@@ -40,6 +63,7 @@ class ServerContext:
     created: int
     tiers: list[TierRef]
     """The engine's KV tiers in lookup order, as clients name and match them."""
+    open_groups: OpenGroups = dataclasses.field(default_factory=OpenGroups)
 
 
 @dataclass
@@ -51,6 +75,8 @@ class Call:
     hints: KVHints
     """The request's KV tier hints (headers and kv_transfer_params), checked."""
     created: int
+    cache_scope: str | None = None
+    """The caller's cache scope: its key's digest under cache_scope per-key, else None."""
 
 
 def context(request: Request) -> ServerContext:
@@ -64,7 +90,16 @@ def start_call(request: Request, body: _SamplingFields) -> Call:
         raise bad_request("header X-Sparse-Attention: on, but sparse attention is not enabled on "
                           "this server (start it with --sparse-topk-blocks or --sparse-topk-ratio)",
                           "X-Sparse-Attention")
-    return Call(request.state.request_id, hints, int(time.time()))
+    return Call(request.state.request_id, hints, int(time.time()), _cache_scope(ctx, request))
+
+
+def _cache_scope(ctx: ServerContext, request: Request) -> str | None:
+    """Per key: a digest of the key's digest (so the scope a block hash mixes in is not the value
+    the gate compares keys by). Shared, or a caller without a key: None."""
+    who = caller(request)
+    if not ctx.config.scope_per_key or who is None:
+        return None
+    return hashlib.sha256(b"tierserve cache scope|" + who.key_digest).hexdigest()
 
 
 def kv_facts(ctx: ServerContext, call: Call, outputs: list[RequestOutput],
@@ -205,7 +240,8 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
                                         seed=None if params.seed is None else params.seed + j)
             children.append(ChildRequest(f"{base}-{p * params.n + j}", ids, child,
                                          body.priority or 0, body.cache_salt,
-                                         None if call.hints.empty else call.hints))
+                                         None if call.hints.empty else call.hints,
+                                         call.cache_scope))
     try:
         stream = ctx.engine.add_group(children)
     except ParamError as e:
@@ -243,6 +279,7 @@ async def collect(ctx: ServerContext, stream: GroupStream, request: Request) -> 
                 final[i] = out
 
     task = asyncio.ensure_future(consume())
+    ctx.open_groups.add(stream)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -253,9 +290,10 @@ async def collect(ctx: ServerContext, stream: GroupStream, request: Request) -> 
             if await request.is_disconnected():
                 raise ApiError(499, "client disconnected", code="client_closed")
     finally:
+        ctx.open_groups.discard(stream)
         if not task.done():
             task.cancel()
-            abort(ctx, stream)
+        abort(ctx, stream)  # what is unfinished: the client left, or the group failed
     return [final[i] for i in range(len(stream.children))]
 
 

@@ -3,6 +3,8 @@
     opening chunks (chat: the assistant role) -> a chunk per delta -> the usage chunk
     -> [DONE]; an error becomes an error event (logged with its traceback first); the group
     is aborted whenever the generator ends early (the client went away), freeing its blocks.
+    A shutdown whose drain time runs out ends each open stream through ServerContext.open_groups:
+    an error event (shutting_down, logged as one line), then [DONE].
 
 A route supplies a StreamFormat: what to send first, how a delta becomes a chunk, and the usage
 chunk. The skeleton owns everything else."""
@@ -14,7 +16,7 @@ from typing import AsyncIterator, Protocol
 
 from pydantic import BaseModel
 
-from tierserve.engine.async_engine import GroupStream
+from tierserve.engine.async_engine import EngineStopped, GroupStream
 from tierserve.server.deltas import SSE_DONE, Delta, DeltaTracker, sse
 from tierserve.server.errors import ApiError, error_json
 from tierserve.server.protocol import StreamOptions, Usage
@@ -44,6 +46,7 @@ async def sse_stream(ctx: ServerContext, call: Call, stream: GroupStream, fmt: S
     tracker = DeltaTracker(len(stream.children))
     for k, child in enumerate(stream.children):  # usage counts the prompts from the first chunk
         tracker.prompt_tokens.setdefault(fmt.prompt_index(k), len(child.prompt_token_ids))
+    ctx.open_groups.add(stream)
     try:
         for chunk in fmt.opening():
             yield _event(chunk, tracker.usage() if continuous else None)
@@ -56,10 +59,14 @@ async def sse_stream(ctx: ServerContext, call: Call, stream: GroupStream, fmt: S
     except ApiError as e:
         log.warning("stream of request %s ended with %d: %s", call.request_id, e.status, e.message)
         yield sse(error_json(e))
+    except EngineStopped as e:  # shutting down, or the loop is gone (it logged why): no traceback
+        log.warning("stream of request %s ended: %s", call.request_id, e)
+        yield sse(error_json(engine_failure(e)))
     except Exception as e:  # noqa: BLE001 - logged here; the client gets an error event
         log.exception("stream of request %s failed", call.request_id)
         yield sse(error_json(engine_failure(e)))
     finally:
+        ctx.open_groups.discard(stream)
         abort(ctx, stream)
     yield SSE_DONE
 

@@ -8,12 +8,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import httpx
+
+if TYPE_CHECKING:
+    from tierserve.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -108,3 +112,34 @@ def scrape(server: RunningServer) -> dict[str, float]:
                               if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+@contextlib.contextmanager
+def serve_in_process(config: ServerConfig):
+    """The app `tierserve serve` runs, on uvicorn in a thread of this process, so a test can
+    read the engine's tiers while it talks to the server over HTTP."""
+    import uvicorn
+
+    from tierserve.engine.async_engine import AsyncEngine
+    from tierserve.engine.llm import build_config
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.server.app import build_app
+
+    engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
+    app = build_app(config, engine)
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.stop()
+        engine.engine.close()

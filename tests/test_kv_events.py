@@ -60,7 +60,9 @@ def meta(keys: list, tokens: list[int], bs: int = 4) -> list:
 
 
 def manager(tmp_path: Path, **cfg) -> TierManager:
+    """Tiers whose events keep token ids (the operator's opt-in), so a test can check them."""
     cfg.setdefault("tiers", ("cpu", "disk"))
+    cfg.setdefault("event_token_ids", True)
     return TierManager(TierConfig(disk_dir=str(tmp_path / "kv"), **cfg), FP, SMALL,
                        torch.float32)
 
@@ -130,6 +132,20 @@ def test_store_announces_one_chain_per_tier_with_medium_locality_and_tokens(tmp_
         assert ev.block_hashes == tuple(keys2[3:]) and ev.parent_block_hash == keys2[2]
         assert ev.token_ids == tuple(range(200, 208))
         assert len(of(mgr.events, BlockStored)) == 3
+
+
+def test_events_carry_no_token_ids_unless_the_operator_opts_in(tmp_path):
+    tokens = list(range(100, 112))
+    keys = chain(tokens)
+    with manager(tmp_path, event_token_ids=False) as mgr:
+        mgr.store(keys, blocks(3), meta=meta(keys, tokens))
+        assert mgr.flush(10)
+        stored = of(mgr.events, BlockStored)  # one per tier
+        assert len(stored) == 2 and all(e.token_ids == () for e in stored)
+        assert all(e.block_hashes == tuple(keys) for e in stored)  # the hashes still chain
+        assert stored[0].parent_block_hash is None
+        assert all(e.to_json()["token_ids"] == [] for e in mgr.events.since(0).events
+                   if isinstance(e.event, BlockStored))
 
 
 def test_store_without_meta_and_with_a_gap_splits_into_chains(tmp_path):
@@ -302,9 +318,11 @@ def complete(server, prompt: list[int]) -> None:
 
 def test_server_streams_block_stored_for_both_tiers_and_resumes_by_seq(tmp_path):
     first, second = list(range(1000, 1100)), list(range(2000, 2070))
-    # a cpu tier of 8 blocks: the second request's 4 blocks evict 2 of the first's 6
+    # a cpu tier of 8 blocks: the second request's 4 blocks evict 2 of the first's 6; token ids
+    # in the events by the operator's opt-in
     with run_server(tmp_path, "--kv-tiers", "cpu,disk", "--disk-tier-dir",
-                    str(tmp_path / "kv"), "--cpu-tier-bytes", str(8 * 737_280)) as server:
+                    str(tmp_path / "kv"), "--cpu-tier-bytes", str(8 * 737_280),
+                    "--kv-events-token-ids") as server:
         url = server.v1 + "/kv/events"
         complete(server, first)
         events = read_events(url + "?since=0", covers(6))  # 100 tokens: 6 full blocks

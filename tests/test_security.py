@@ -4,12 +4,9 @@ requests' KV blocks apart in every tier (cpu, disk and a real S3 server)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import openai
 import pytest
 
 from s3_fixtures import ACCESS_KEY, BUCKET, CREDENTIALS, SECRET_KEY
-from server_fixtures import MODEL, free_port, run_server
+from server_fixtures import MODEL, free_port, run_server, serve_in_process
 from tierserve.server.cli import build_parser
 from tierserve.server.config import FIELDS, ServerConfig, load_config
 
@@ -182,37 +179,6 @@ PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at d
              "one hundred and twelve steps aloud, trimming the wick, polishing the great lens, "
              "and writing the weather, the ships and the state of the sea into a leather log "
              "that his grandfather had started sixty years before.")
-
-
-@contextlib.contextmanager
-def serve_in_process(config: ServerConfig):
-    """The app `tierserve serve` runs, on uvicorn in a thread of this process, so a test can
-    read the engine's tiers while it talks to the server over HTTP."""
-    import uvicorn
-
-    from tierserve.engine.async_engine import AsyncEngine
-    from tierserve.engine.llm import build_config
-    from tierserve.engine.llm_engine import LLMEngine
-    from tierserve.server.app import build_app
-
-    engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
-    app = build_app(config, engine)
-    engine.start()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield engine
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        engine.stop()
-        engine.engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,9 @@ class TierConfig:
     """Threads that read payloads for start_load, shared by all tiers."""
     event_log_size: int = 10000
     """KV events (stored, removed, cleared) kept for GET /v1/kv/events readers that fall behind."""
+    event_token_ids: bool = False
+    """BlockStored events carry the blocks' token ids (vLLM's field). Off: hashes only, so an
+    event reader learns no prompt text."""
 
     def __post_init__(self) -> None:
         for name in self.tiers:

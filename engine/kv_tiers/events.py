@@ -41,7 +41,8 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     """Parent of the first block; None for a sequence's first block or when unknown."""
     token_ids: tuple[int, ...]
-    """Tokens of all the blocks, concatenated; empty when the caller gave none."""
+    """Tokens of all the blocks, concatenated; empty unless the log keeps them (an operator's
+    opt-in: they are the tenants' prompts) or when the caller gave none."""
     block_size: int
     """Tokens per block."""
     lora_id: int | None = None
@@ -112,9 +113,11 @@ class EventSlice(NamedTuple):
 class EventLog:
     """A thread-safe ring of the last `capacity` events; record() never blocks for long."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, token_ids: bool = False):
         if capacity < 1:
             raise ValueError(f"event_log_size: must be at least 1, got {capacity}")
+        self.token_ids = token_ids
+        """BlockStored events keep the blocks' tokens (TierConfig.event_token_ids); else ()."""
         self._ring: collections.deque[LoggedEvent] = collections.deque(maxlen=capacity)
         self._cond = threading.Condition()
         self._last = 0
@@ -205,10 +208,11 @@ class TierEvents:
 
     def _stored(self, batch: _Batch, run: list[int]) -> BlockStored:
         meta = batch.meta
+        keep = meta is not None and self.log is not None and self.log.token_ids
         return BlockStored(
             block_hashes=tuple(batch.keys[i] for i in run),
             parent_block_hash=meta[run[0]][0] if meta is not None else None,
-            token_ids=tuple(t for i in run for t in meta[i][1]) if meta is not None else (),
+            token_ids=tuple(t for i in run for t in meta[i][1]) if keep else (),
             block_size=self.block_size, medium=self.medium, locality=self.locality)
 
 

@@ -48,7 +48,7 @@ class TierManager:
                  dtype: torch.dtype):
         self.config = config
         self.layout = BlockLayout(fingerprint, tuple(block_shape), dtype)
-        self.events = EventLog(config.event_log_size)
+        self.events = EventLog(config.event_log_size, config.event_token_ids)
         """What the tiers stored, removed and cleared (GET /v1/kv/events)."""
         self.tiers: dict[str, KVTier] = {}
         """The tiers in lookup order, by name."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from tierserve.server.body import CheckedRoute
 from tierserve.server.serving import context
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 @router.get("/v1/backends")

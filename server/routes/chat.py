@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampler import TopLogprobs
 from tierserve.engine.tokenizer import TEMPLATE_VARIABLES
+from tierserve.server.body import CheckedRoute
 from tierserve.server.deltas import Delta, token_infos, usage_of
 from tierserve.server.errors import bad_request
 from tierserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -18,7 +19,7 @@ from tierserve.server.serving import (Call, ServerContext, admit, check_model, c
                                       kv_echo, kv_facts, sampling_params, start_call)
 from tierserve.server.streaming import sse_stream
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 _ROLES = ("system", "developer", "user", "assistant")
 

@@ -1,6 +1,10 @@
 """GET /v1/kv/events: the KV tiers' events (BlockStored, BlockRemoved, AllBlocksCleared) as
 server-sent events, for routers that track where each prefix is cached.
 
+An operator route: it sees every tenant's cache activity, so with API keys configured it needs
+an admin key (server/auth.py). Events carry block hashes, never token ids, unless the server was
+started with --kv-events-token-ids.
+
     id: <seq>
     data: {"seq": <seq>, "ts": <unix time>, "type": "BlockStored", ...vLLM's fields}
 
@@ -27,10 +31,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from tierserve.engine.kv_tiers.events import EventLog
+from tierserve.server.auth import require_operator
+from tierserve.server.body import CheckedRoute
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.serving import ServerContext, context
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 KEEPALIVE_S = 15.0
 POLL_S = 0.1
@@ -39,6 +45,7 @@ POLL_S = 0.1
 @router.get("/v1/kv/events")
 async def kv_events(request: Request, since: int = Query(
         0, ge=0, description="Send the events with a larger seq (0: all that are buffered).")):
+    require_operator(request)
     ctx = context(request)
     log = _event_log(ctx)
     return StreamingResponse(_stream(request, ctx, log, _resume_point(request, since)),

@@ -7,13 +7,14 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tierserve import __version__
+from tierserve.server.body import CheckedRoute
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                              TokenizeRequest, TokenizeResponse, VersionResponse)
 from tierserve.server.routes.chat import render_chat
 from tierserve.server.serving import check_model, context
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 def _card(request: Request, name: str) -> ModelCard:
