@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from tierserve.engine.info import EngineInfo
 from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
@@ -161,6 +162,11 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine chose at start-up (read-only; the server's view of it)."""
+        return self.engine.info
 
     @property
     def max_model_len(self) -> int:

@@ -10,10 +10,11 @@ from typing import Sequence
 from tierserve.engine.config import (CacheConfig, EngineConfig, SchedulerConfig, SparseConfig,
                                      parse_bytes)
 from tierserve.engine.kv_hints import KVHints
-from tierserve.engine.kv_tiers.config import TierConfig
+from tierserve.engine.kv_tiers.config import TierConfig, default_cpu_bytes, default_disk_bytes
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.paths import cache_dir
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -52,23 +53,27 @@ def build_config(**kwargs) -> EngineConfig:
 
 
 def _tier_config(names: str | Sequence[str] | TierConfig | None, values: dict) -> TierConfig | None:
-    """kv_tiers "cpu,disk" (or a list, or a whole TierConfig) plus the tier settings given; None
-    keeps the tiers off."""
+    """kv_tiers "cpu,disk" (or a list, or a whole TierConfig) plus the tier settings given; None,
+    "" or "none" keeps the tiers off. Sizes left unset are bounded by the host: the cpu tier by
+    its memory, the disk tier by the free space (kv_tiers.config)."""
     if isinstance(names, TierConfig):
         return dataclasses.replace(names, **{k: v for k, v in values.items() if v is not None})
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     values = {k: v for k, v in values.items() if v is not None}
-    if not names:
+    if not names or list(names) == ["none"]:
         return None
     for key in ("cpu_bytes", "disk_bytes"):
         if key in values:
             values[key] = parse_bytes(values[key])
     if "disk" in names and "disk_dir" not in values:
-        values["disk_dir"] = os.path.join(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve"),
-                                          "kv")
+        values["disk_dir"] = cache_dir("kv")
     if "disk_dir" in values:
         values["disk_dir"] = os.path.expanduser(values["disk_dir"])
+    if "cpu" in names:
+        values.setdefault("cpu_bytes", default_cpu_bytes())
+    if "disk" in names:
+        values.setdefault("disk_bytes", default_disk_bytes(values["disk_dir"]))
     return TierConfig(tiers=tuple(names), **values)
 
 

@@ -15,9 +15,11 @@ from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
 from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.info import EngineInfo, SparseStatus
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.loaders import load_model_source
 from tierserve.engine.kv_hints import NO_HINTS, KVHints
+from tierserve.engine.kv_tiers.config import describe_tiers
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
@@ -130,10 +132,10 @@ class LLMEngine:
         self.runner.capture_graphs(self.pool.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
         self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
-        self.default_hints = NO_HINTS
-        """Hints for requests that send none (the server's YAML defaults)."""
         self.stats = EngineStats()
         self._tracked: dict[RequestId, _Tracked] = {}
+        self.info = self._describe()
+        """What the server may know of this engine (read-only, published once)."""
         log.info("engine ready: %s, %d layers, %d KV blocks of %d tokens (%.0f MiB), "
                  "max_model_len %d, backend %s, %d threads", config.model,
                  self.model_config.num_layers, num_blocks, bs, self.runner.kv_bytes / 2**20,
@@ -159,8 +161,24 @@ class LLMEngine:
                               self.runner.kv_dtype)
         io = TierIO(manager, self.runner, self.scheduler, self.pool)
         self.scheduler.on_admit = io.on_admit
-        log.info("KV tiers: %s", ", ".join(manager.tiers))
+        log.info("KV tiers: %s", describe_tiers(config.kv_tiers))
         return io
+
+    def _describe(self) -> EngineInfo:
+        runner, sparse, io = self.runner, self.config.sparse, self.tier_io
+        manager = io.manager if io is not None else None
+        return EngineInfo(
+            model=self.config.model, max_model_len=self.max_model_len,
+            device=self.device_choice, dtype=self.dtype_choice,
+            kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+            backend=runner.backend.name, routes=dict(runner.routes),
+            sparse=SparseStatus(sparse.enabled, runner.backend.capabilities.sparse,
+                                sparse.topk_blocks, sparse.topk_ratio, sparse.min_context,
+                                sparse.dense_layers),
+            tiers=manager.descriptors() if manager is not None else (),
+            events=manager.events if manager is not None else None,
+            tier_stats=manager.stats if manager is not None else None,
+            policy_counters=io.counters if io is not None else None)
 
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
@@ -185,7 +203,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(RequestId(request_id), ids, params, max_tokens, priority=priority,
                       cache_salt=cache_salt, cache_scope=cache_scope,
-                      hints=kv_hints or self.default_hints)
+                      hints=kv_hints or NO_HINTS)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,

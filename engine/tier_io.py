@@ -33,10 +33,9 @@ import torch
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.kv_tiers.manager import TierManager
-from tierserve.engine.kv_tiers.media import Locality
 from tierserve.engine.request import Request, RequestId
 from tierserve.engine.scheduler import FullBlock, Scheduler
-from tierserve.engine.tier_policy import CostModel, TierDecision, TierInfo, TierPolicy
+from tierserve.engine.tier_policy import CostModel, SkipReason, TierDecision, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +80,7 @@ class TierIO:
         self._no_demote: set[BlockHash] = set()
         """Device blocks whose request did not allow the cpu tier: never demoted there."""
         self.cost = CostModel(manager.layout.block_bytes, self.block_size)
-        self.policy = TierPolicy([TierInfo(n, t.locality is Locality.LOCAL)
-                                  for n, t in manager.tiers.items()], self.cost, self.block_size)
+        self.policy = TierPolicy(manager.descriptors(), self.cost, self.block_size)
         self.counters = PolicyCounters()
         self._thread.submit(self._probe)
 
@@ -107,11 +105,11 @@ class TierIO:
         c = self.counters
         c.loads_chosen += bool(d.load_tiers)
         for why in d.skipped.values():
-            if why == "budget":
+            if why is SkipReason.BUDGET:
                 c.skipped_budget += 1
-            elif why == "cost":
+            elif why is SkipReason.COST:
                 c.skipped_cost += 1
-            elif why == "short prompt":
+            elif why is SkipReason.SHORT_PROMPT:
                 c.skipped_short += 1
 
     def _fetch(self, keys: list[BlockHash], d: TierDecision) -> tuple[list[str], list[torch.Tensor]]:

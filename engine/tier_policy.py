@@ -18,18 +18,27 @@ engine measures itself. Plain Python, no torch.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from tierserve.engine.kv_hints import KVHints, SloClass
+from tierserve.engine.kv_tiers.media import TierDescriptor
 
 
-@dataclass(frozen=True)
-class TierInfo:
-    name: str
-    local: bool
-    """LOCAL locality (cpu, disk) rather than REMOTE (s3)."""
+class SkipReason(enum.Enum):
+    """Why a tier is not loaded from for one admission."""
+
+    HINT = "hint"
+    """The request named its load tiers, and not this one."""
+    SHORT_PROMPT = "short prompt"
+    """A remote tier, and too few tokens to load for a round trip to pay."""
+    BUDGET = "budget"
+    """The load would not fit what is left of the TTFT budget."""
+    COST = "cost"
+    """Recomputing the blocks is faster than loading them."""
 
 
 @dataclass(frozen=True)
@@ -44,16 +53,11 @@ class TierDecision:
     """At most this many of the request's blocks stored (None: no limit)."""
     deadline: float | None
     """time.monotonic() by which a load must be done (None: the engine's load timeout)."""
-    skipped: dict[str, str] = field(default_factory=dict)
-    """Tier -> why it is not loaded from: 'budget', 'cost', 'short prompt', 'hint'."""
+    skipped: dict[str, SkipReason] = field(default_factory=dict)
+    """Tier -> why it is not loaded from."""
     notes: tuple[str, ...] = ()
     """The reasons in a few words each, e.g. 's3 skipped: est 820 ms > 500 ms budget'."""
 
-    def header(self) -> str:
-        """The X-KV-Policy value: 'load=cpu,disk; store=cpu,disk,s3; s3 skipped: ...'."""
-        parts = [f"load={','.join(self.load_tiers) or 'none'}",
-                 f"store={','.join(self.store_tiers) or 'none'}", *self.notes]
-        return "; ".join(parts)
 
 
 class Ewma:
@@ -133,9 +137,9 @@ class CostModel:
 
 
 class TierPolicy:
-    def __init__(self, tiers: list[TierInfo], cost: CostModel, block_size: int,
+    def __init__(self, tiers: Sequence[TierDescriptor], cost: CostModel, block_size: int,
                  remote_min_tokens: int = 512):
-        self.tiers, self.cost, self.block_size = tiers, cost, block_size
+        self.tiers, self.cost, self.block_size = tuple(tiers), cost, block_size
         self.remote_min_tokens = remote_min_tokens
         """Prompts with fewer tokens to load than this skip remote tiers (a round trip costs more
         than their prefill)."""
@@ -157,7 +161,7 @@ class TierPolicy:
         names = [t.name for t in self.tiers]
         if hints.load_tiers is not None:
             chosen = tuple(n for n in names if n in hints.load_tiers)
-            return chosen, {n: "hint" for n in names if n not in chosen}, ()
+            return chosen, {n: SkipReason.HINT for n in names if n not in chosen}, ()
         if hints.slo_class is SloClass.BATCH:
             return tuple(names), {}, ()
         chosen, skipped, notes = [], {}, []
@@ -170,22 +174,22 @@ class TierPolicy:
                 notes.append(f"{t.name} skipped: {why[1]}")
         return tuple(chosen), skipped, tuple(notes)
 
-    def _skip(self, t: TierInfo, blocks: int, now: float,
-              deadline: float | None) -> tuple[str, str] | None:
+    def _skip(self, t: TierDescriptor, blocks: int, now: float,
+              deadline: float | None) -> tuple[SkipReason, str] | None:
         """(kind, words) when tier t should not be asked, else None."""
         tokens = blocks * self.block_size
         if not t.local and tokens < self.remote_min_tokens:
-            return "short prompt", f"{tokens} tokens < {self.remote_min_tokens}"
+            return SkipReason.SHORT_PROMPT, f"{tokens} tokens < {self.remote_min_tokens}"
         known = self.cost.load_seconds(t.name, blocks)
         if known is None:  # never looked up: try it, the load itself measures it
             return None
         est, complete = known
         if deadline is not None and now + est > deadline:
             left = max(0.0, deadline - now)
-            return "budget", f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
+            return SkipReason.BUDGET, f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
         recompute = self.cost.recompute_seconds(blocks)
         if complete and recompute is not None and est >= recompute:
-            return "cost", f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
+            return SkipReason.COST, f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
         return None
 
     def _store_tiers(self, hints: KVHints) -> tuple[str, ...]:

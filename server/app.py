@@ -19,7 +19,7 @@ from tierserve.server.body import BodyError
 from tierserve.server.config import ServerConfig, read_chat_template
 from tierserve.server.errors import ApiError, error_response, validation_message
 from tierserve.server.metrics import ServerMetrics
-from tierserve.server.policy import TierRef, parse_hints
+from tierserve.server.policy import default_hints
 from tierserve.server.routes import backends, chat, completions, kv_events, models
 from tierserve.server.serving import ServerContext
 
@@ -106,10 +106,11 @@ def _too_large(limit: int):
 
 
 def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
-    tiers = engine.engine.tier_io
-    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name, tiers)
-    ctx = ServerContext(config, engine, metrics, int(time.time()), tier_refs(tiers))
-    engine.engine.default_hints = parse_hints(config.default_hint_headers(), None, ctx.tiers)
+    info = engine.info
+    metrics = ServerMetrics(lambda: engine.snapshot, config.model_name, info)
+    tiers = list(info.tiers)
+    ctx = ServerContext(config, engine, metrics, int(time.time()), tiers,
+                        default_hints(config, tiers))
     if config.chat_template is not None:
         engine.tokenizer.set_chat_template(read_chat_template(config.chat_template))
 
@@ -134,14 +135,6 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
                            expose_headers=["X-Request-Id", "X-KV-Policy", "X-KV-Hit-Tokens"])
     _pin_model_name(app, config.model_names)
     return app
-
-
-def tier_refs(tiers) -> list[TierRef]:
-    """The engine's tiers as clients name and match them (none without tiers)."""
-    if tiers is None:
-        return []
-    return [TierRef(name, t.medium.value, t.locality.value)
-            for name, t in tiers.manager.tiers.items()]
 
 
 def _pin_model_name(app: FastAPI, names: tuple[str, ...]) -> None:

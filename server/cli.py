@@ -119,8 +119,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(config, engine)
     except ApiError as e:  # a bad default_* hint: the same check a request's header gets
-        print(f"tierserve serve: default hints: {e.message}", file=sys.stderr)
-        engine.engine.close()
+        print(f"tierserve serve: {e.message}", file=sys.stderr)
+        engine.stop()
         return 2
     engine.start()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,

@@ -121,13 +121,17 @@ class ServerConfig:
     log_level: str = "info"
     """Uvicorn and tierserve log level."""
     kv_tiers: str | None = None
-    """KV tiers below the device cache, in lookup order: a comma list of cpu, disk, s3."""
-    cpu_tier_bytes: int = 4 << 30
-    """Host memory of the cpu tier (accepts suffixes: 512MiB, 8GiB)."""
+    """KV tiers below the device cache, in lookup order: a comma list of cpu, disk, s3, or none
+    (tiers off). Unset: cpu,disk (s3 is opt-in)."""
+    cpu_tier_bytes: int | None = None
+    """Host memory of the cpu tier (accepts suffixes: 512MiB, 8GiB); unset: an eighth of the
+    host's memory, at most 4 GiB."""
     disk_tier_dir: str | None = None
-    """Folder of the disk tier (one subfolder per model fingerprint)."""
-    disk_tier_bytes: int = 64 << 30
-    """Bytes the disk tier may keep (accepts suffixes)."""
+    """Folder of the disk tier (one subfolder per model fingerprint); unset:
+    $TIERSERVE_CACHE/kv (~/.cache/tierserve/kv)."""
+    disk_tier_bytes: int | None = None
+    """Bytes the disk tier may keep (accepts suffixes); unset: a quarter of the free space
+    there at start-up, at most 64 GiB."""
     s3_bucket: str | None = None
     """Bucket of the s3 tier (credentials from boto3's standard chain: AWS_* variables, ...)."""
     s3_prefix: str = "tierserve-kv"
@@ -175,14 +179,6 @@ class ServerConfig:
                 parts.append(f"{f.name}={shown}")
         return " ".join(parts) or "all defaults"
 
-    def default_hint_headers(self) -> dict[str, str]:
-        """The defaults above as the request headers they stand in for."""
-        pairs = (("X-KV-Load-Tiers", self.default_kv_load_tiers),
-                 ("X-KV-Store-Tiers", self.default_kv_store_tiers),
-                 ("X-SLO-Class", self.default_slo_class),
-                 ("X-SLO-TTFT-Ms", self.default_slo_ttft_ms))
-        return {k: str(v) for k, v in pairs if v is not None}
-
     @property
     def scope_per_key(self) -> bool:
         """Each API key's requests hash under a scope of their own (cache_scope)."""
@@ -208,7 +204,14 @@ class ServerConfig:
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
                 "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
+
+    @property
+    def tier_names(self) -> str | None:
+        """kv_tiers resolved: unset means cpu,disk; none (or empty) means no tiers."""
+        if self.kv_tiers is None:
+            return DEFAULT_TIERS
+        return None if self.kv_tiers.strip().lower() in ("", "none") else self.kv_tiers
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
@@ -225,6 +228,8 @@ _AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes")
 _KEY_FIELDS = ("api_key", "admin_api_key")
 """Secrets: counted, never shown, in the start-up line."""
 CACHE_SCOPES = ("per-key", "shared")
+DEFAULT_TIERS = "cpu,disk"
+"""The tiers a server runs when kv_tiers is not set (every README example needs them)."""
 
 
 def _check(name: str, value: Any) -> None:

@@ -183,8 +183,9 @@ def _engine_sections() -> list[str]:
     tier_args = {"kv_tiers": "tiers", **getattr(llm, "TIER_ARGS", {})}
     sections = [_nested_section(
         "KV tiers (`TierConfig`)", TierConfig, tier_args, server_fields,
-        "engine/kv_tiers/config.py; see [tiers.md](tiers.md). Tiers are off until `kv_tiers` "
-        "names some; the engine then builds this from the flat settings in the second column, "
+        "engine/kv_tiers/config.py; see [tiers.md](tiers.md). `tierserve serve` runs cpu,disk "
+        "unless `kv_tiers` says otherwise (`none`: off); offline, `LLM(...)` runs none unless "
+        "`kv_tiers` names some. The engine builds this from the flat settings in the second column, "
         "which are server settings (configs/tiers.example.yaml sets them all) and `LLM(...)` "
         "keywords. A field with no flat setting keeps its default under `tierserve serve`; "
         "offline, pass a whole `TierConfig` as `LLM(kv_tiers=TierConfig(...))`, and flat "

@@ -16,6 +16,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
 from tierserve.engine.async_engine import EngineSnapshot
+from tierserve.engine.info import EngineInfo
 from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
 from tierserve.engine.outputs import RequestOutput
 
@@ -176,13 +177,14 @@ class _PolicyCollector:
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str, tiers=None):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model: str,
+                 info: EngineInfo | None = None):
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(snapshot, model))
-        if tiers is not None:  # the engine's TierIO
-            self.registry.register(_TierCollector(tiers.manager.stats, model))
-            self.registry.register(_PolicyCollector(tiers.counters, model))
+        if info is not None and info.tier_stats is not None:
+            self.registry.register(_TierCollector(info.tier_stats, model))
+            self.registry.register(_PolicyCollector(info.policy_counters, model))
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, **kw).labels(model)

@@ -16,30 +16,19 @@ different tiers contradict each other and are a 400 too. Nothing is silently ign
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tierserve.engine.kv_hints import KVHints, SloClass
+from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.tier_policy import TierDecision
 from tierserve.server.errors import ApiError, bad_request
 
 _MEDIA, _LOCALITIES = ("CPU", "STORAGE"), ("LOCAL", "REMOTE")
 _BODY_KEYS = ("kv_load_tiers", "kv_store_tiers", "max_load_tokens", "max_offload_tokens")
 
 
-@dataclass(frozen=True)
-class TierRef:
-    """A configured tier as a client sees it."""
-
-    name: str
-    medium: str
-    locality: str
-
-    def matcher(self) -> dict[str, str]:
-        return {"medium": self.medium, "locality": self.locality}
-
-
 def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
-                tiers: list[TierRef]) -> KVHints:
+                tiers: list[TierDescriptor]) -> KVHints:
     """KVHints of one request; raises ApiError (400) naming the bad header or field."""
     h = {k.lower(): v for k, v in headers.items()}
     body = _body(body)
@@ -51,6 +40,31 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
                    slo_class=_slo_class(h), max_load_tokens=_count(body, "max_load_tokens"),
                    max_offload_tokens=_count(body, "max_offload_tokens"),
                    sparse_attention=_on_off(h, "x-sparse-attention"))
+
+
+def default_hints(config, tiers: list[TierDescriptor]) -> KVHints:
+    """The server's default hints, from its settings (default_kv_load_tiers, ...), built once;
+    each field a request does not send keeps its default (KVHints.over). A bad value raises
+    ApiError naming the setting."""
+    values = {"x-kv-load-tiers": config.default_kv_load_tiers,
+              "x-kv-store-tiers": config.default_kv_store_tiers,
+              "x-slo-class": config.default_slo_class, "x-slo-ttft-ms": config.default_slo_ttft_ms}
+    h = {k: str(v) for k, v in values.items() if v is not None}
+    try:
+        return KVHints(load_tiers=_header_tiers(h, "x-kv-load-tiers", tiers),
+                       store_tiers=_header_tiers(h, "x-kv-store-tiers", tiers),
+                       ttft_budget_ms=_budget(h), slo_class=_slo_class(h))
+    except ApiError as e:  # name the setting, not the header it stands in for
+        setting = "default_" + e.param.lower().removeprefix("x-").replace("-", "_")
+        raise ApiError(400, f"{setting}: {e.message.split(': ', 1)[1]}", param=setting) \
+            from None
+
+
+def policy_header(decision: TierDecision) -> str:
+    """The X-KV-Policy value: 'load=cpu,disk; store=cpu,disk,s3; s3 skipped: ...'."""
+    parts = [f"load={','.join(decision.load_tiers) or 'none'}",
+             f"store={','.join(decision.store_tiers) or 'none'}", *decision.notes]
+    return "; ".join(parts)
 
 
 def _body(body: dict[str, Any] | None) -> dict[str, Any]:
@@ -66,7 +80,7 @@ def _body(body: dict[str, Any] | None) -> dict[str, Any]:
     return body
 
 
-def _header_tiers(h: dict[str, str], name: str, tiers: list[TierRef]) -> tuple[str, ...] | None:
+def _header_tiers(h: dict[str, str], name: str, tiers: list[TierDescriptor]) -> tuple[str, ...] | None:
     raw = h.get(name)
     if raw is None:
         return None
@@ -87,7 +101,7 @@ def _header_tiers(h: dict[str, str], name: str, tiers: list[TierRef]) -> tuple[s
     return tuple(t.name for t in tiers if t.name in names)
 
 
-def _matched(body: dict[str, Any], key: str, tiers: list[TierRef]) -> tuple[str, ...] | None:
+def _matched(body: dict[str, Any], key: str, tiers: list[TierDescriptor]) -> tuple[str, ...] | None:
     if key not in body or body[key] is None:
         return None
     param = f"kv_transfer_params.{key}"
@@ -113,8 +127,8 @@ def _check_matcher(m: Any, param: str) -> None:
                           f"{param}.{extra[0]}")
 
 
-def _matches(m: dict, t: TierRef) -> bool:
-    return m.get("medium", t.medium) == t.medium and m.get("locality", t.locality) == t.locality
+def _matches(m: dict, t: TierDescriptor) -> bool:
+    return all(m.get(k, v) == v for k, v in t.matcher().items())
 
 
 def _merge(hname: str, from_header: tuple[str, ...] | None, bname: str,
@@ -178,7 +192,7 @@ def _header_error(name: str, message: str) -> ApiError:
 
 
 def applied_params(hints: KVHints, load: tuple[str, ...], store: tuple[str, ...],
-                   tiers: list[TierRef]) -> dict[str, Any]:
+                   tiers: list[TierDescriptor]) -> dict[str, Any]:
     """The body's kv_transfer_params echoed with what was applied (as vLLM echoes it)."""
     by_name = {t.name: t for t in tiers}
     return {"kv_load_tiers": [by_name[n].matcher() | {"name": n} for n in load if n in by_name],

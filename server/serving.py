@@ -24,7 +24,8 @@ from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
 from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.tier_policy import TierDecision
-from tierserve.server.policy import TierRef, applied_params, parse_hints
+from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.server.policy import applied_params, parse_hints, policy_header
 from tierserve.server.protocol import ChatCompletionRequest, _SamplingFields
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,11 @@ class ServerContext:
     engine: AsyncEngine
     metrics: ServerMetrics
     created: int
-    tiers: list[TierRef]
+    tiers: list[TierDescriptor]
     """The engine's KV tiers in lookup order, as clients name and match them."""
+    default_hints: KVHints
+    """The server's hint defaults (default_kv_*, default_slo_*): each field a request does not
+    send keeps its default."""
     open_groups: OpenGroups = dataclasses.field(default_factory=OpenGroups)
 
 
@@ -85,8 +89,8 @@ def context(request: Request) -> ServerContext:
 
 def start_call(request: Request, body: _SamplingFields) -> Call:
     ctx = context(request)
-    hints = parse_hints(request.headers, body.kv_transfer_params, ctx.tiers)
-    if hints.sparse_attention and not ctx.engine.engine.config.sparse.enabled:
+    hints = parse_hints(request.headers, body.kv_transfer_params, ctx.tiers).over(ctx.default_hints)
+    if hints.sparse_attention and not ctx.engine.info.sparse.enabled:
         raise bad_request("header X-Sparse-Attention: on, but sparse attention is not enabled on "
                           "this server (start it with --sparse-topk-blocks or --sparse-topk-ratio)",
                           "X-Sparse-Attention")
@@ -126,7 +130,7 @@ def kv_echo(ctx: ServerContext, call: Call, decision: TierDecision | None,
     if not ctx.tiers or decision is None:
         return None
     echo = applied_params(call.hints, decision.load_tiers, decision.store_tiers, ctx.tiers)
-    echo.update(kv_policy=decision.header(), kv_hit_tokens=hits or {})
+    echo.update(kv_policy=policy_header(decision), kv_hit_tokens=hits or {})
     return echo
 
 

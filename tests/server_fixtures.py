@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -47,11 +49,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def run_server(tmp_dir: Path, *args: str, timeout: float = 180.0) -> Iterator[RunningServer]:
-    """The server with small, fast settings plus `args`, healthy; stopped at exit."""
+    """The server with small, fast settings plus `args`, healthy; stopped at exit. The disk tier
+    (on by default) gets a folder of its own under `tmp_dir`: no server sees another's blocks."""
     port = free_port()
+    own_disk = [] if "--disk-tier-dir" in args else ["--disk-tier-dir", str(tmp_dir / f"kv-{port}")]
     cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--port", str(port),
            "--kv-cache-memory-bytes", "256MiB", "--max-model-len", "2048", "--log-level",
-           "warning", *args]
+           "warning", *own_disk, *args]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     with server_process(cmd, port, tmp_dir / f"server-{port}.log", env) as server:
         wait_healthy(server, timeout)
@@ -125,6 +129,8 @@ def serve_in_process(config: ServerConfig):
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.server.app import build_app
 
+    if config.disk_tier_dir is None:  # the default disk tier: a folder of this server's own
+        config = dataclasses.replace(config, disk_tier_dir=tempfile.mkdtemp(prefix="kv-"))
     engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
     app = build_app(config, engine)
     engine.start()

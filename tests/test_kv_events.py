@@ -353,12 +353,15 @@ def test_server_streams_block_stored_for_both_tiers_and_resumes_by_seq(tmp_path)
 
 
 class FakeEngine:
-    """The parts of AsyncEngine the app and the events route touch; no model is loaded."""
+    """The parts of AsyncEngine the app and the events route touch (its published info, the
+    drain flag); no model is loaded."""
 
     def __init__(self, manager: TierManager | None):
-        tier_io = SimpleNamespace(manager=manager, counters=PolicyCounters()) \
-            if manager is not None else None
-        self.engine = SimpleNamespace(tier_io=tier_io)
+        self.info = SimpleNamespace(
+            tiers=manager.descriptors() if manager is not None else (),
+            events=manager.events if manager is not None else None,
+            tier_stats=manager.stats if manager is not None else None,
+            policy_counters=PolicyCounters())
         self.draining = False
         self.snapshot = None
 

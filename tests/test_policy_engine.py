@@ -12,6 +12,8 @@ import pytest
 from delay_proxy import delay_proxy
 from s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY
 from tierserve import LLM, KVHints, SamplingParams, SloClass, TierConfig
+from tierserve.engine.tier_policy import SkipReason
+from tierserve.server.policy import policy_header
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT_LEN = 1000
@@ -95,9 +97,9 @@ def test_the_cost_model_skips_a_slow_s3_for_interactive_and_recovers(weed, s3_cr
                     break
             assert io.counters.abandoned >= 1 and tries[0].kv_hit_tokens["s3"] < HIT
             skipped = tries[-1]
-            assert skipped.kv_decision.skipped == {"s3": "budget"}
+            assert skipped.kv_decision.skipped == {"s3": SkipReason.BUDGET}
             assert skipped.kv_hit_tokens["s3"] == 0
-            assert "s3 skipped: est" in skipped.kv_decision.header()
+            assert "s3 skipped: est" in policy_header(skipped.kv_decision)
 
             used = _run(llm, prompt, batch)  # batch loads from every tier, slow or not
             assert used.kv_hit_tokens["s3"] == HIT and used.outputs[0].token_ids == cold

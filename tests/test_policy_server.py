@@ -6,12 +6,13 @@ and a 400 naming the header or field for each bad value."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
 
-from server_fixtures import MODEL, run_server
+from server_fixtures import MODEL, run_server, scrape
 
 PROMPT = "The history of the Roman Empire, told in one long paragraph: " * 6
 
@@ -52,6 +53,38 @@ def test_server_defaults_apply_to_requests_that_send_no_hints(client):
     assert r.headers["x-kv-policy"].startswith("load=cpu,disk; store=disk")
 
 
+def test_each_header_not_sent_keeps_the_servers_default(server, client):
+    """The defaults merge field by field: a budget alone keeps the default store tiers; an
+    explicit X-KV-Store-Tiers: none stores nowhere (the disk tier's stored-block count stays)."""
+    r = _raw_completion(client, prompt="budget only " * 40,
+                        extra_headers={"X-SLO-TTFT-Ms": "5000"})
+    assert r.headers["x-kv-policy"].split("; ")[1] == "store=disk"
+
+    def stored() -> float:
+        return scrape(server).get('tierserve:kv_tier_stored_blocks_total{tier=disk}', 0.0)
+    before = stored()
+    r = _raw_completion(client, prompt="stored nowhere " * 40,
+                        extra_headers={"X-KV-Store-Tiers": "none"})
+    assert r.headers["x-kv-policy"].split("; ")[1] == "store=none"
+    time.sleep(0.5)  # stores are asynchronous: give one the time to show
+    assert stored() == before
+
+
+def test_a_server_with_no_flags_answers_the_readme_tier_example(tmp_path):
+    """No tier flags: cpu and disk run (README's example as written); --kv-tiers none: off."""
+    headers = {"X-SLO-Class": "interactive", "X-SLO-TTFT-Ms": "500",
+               "X-KV-Store-Tiers": "cpu,disk"}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
+    with run_server(tmp_path) as plain:
+        r = httpx.post(plain.v1 + "/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kv-policy"] == "load=cpu,disk; store=cpu,disk"
+        assert r.headers["x-kv-hit-tokens"] == "device=0,cpu=0,disk=0"
+    with run_server(tmp_path, "--kv-tiers", "none") as off:
+        r = httpx.post(off.v1 + "/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-KV-Store-Tiers"
+
+
 def test_vllm_body_matchers_with_the_openai_client(client):
     r = _raw_completion(client, extra_body={"kv_transfer_params": {
         "kv_load_tiers": [{"medium": "STORAGE"}], "kv_store_tiers": [],
@@ -81,7 +114,7 @@ def test_a_stream_carries_the_facts_in_its_final_chunk(server):
     assert len(final) == 1 and all(c.get("kv_transfer_params") is None
                                    for c in chunks if c is not final[0])
     echo = final[0]["kv_transfer_params"]
-    assert echo["kv_policy"].startswith("load=cpu; store=cpu,disk")
+    assert echo["kv_policy"].startswith("load=cpu; store=disk")  # the default store: disk
     assert set(echo["kv_hit_tokens"]) == {"device", "cpu", "disk"}
 
 
@@ -91,7 +124,7 @@ def test_chat_stream_with_the_openai_client(client):
         stream=True, extra_headers={"X-SLO-Class": "interactive", "X-SLO-TTFT-Ms": "2000"})
     chunks = list(stream)
     echo = [c.model_extra.get("kv_transfer_params") for c in chunks]
-    assert echo[-1] is not None and echo[-1]["kv_policy"].startswith("load=cpu,disk; store=cpu,disk")
+    assert echo[-1] is not None and echo[-1]["kv_policy"].startswith("load=cpu,disk; store=disk")
     assert all(e is None for e in echo[:-1])
 
 

@@ -50,10 +50,29 @@ def test_tier_settings_take_suffixes_and_reach_the_engine_config(tmp_path):
     tiers = build_config(**cfg.engine_kwargs()).kv_tiers
     assert tiers.tiers == ("cpu", "disk", "s3") and tiers.cpu_bytes == 512 << 20
     assert tiers.disk_dir == str(tmp_path) and tiers.s3_bucket == cfg.s3_bucket
-    assert build_config(**ServerConfig().engine_kwargs()).kv_tiers is None
+    # no tier setting: cpu and disk, bounded by the host; "none" turns them off
+    default = build_config(**ServerConfig().engine_kwargs()).kv_tiers
+    assert default.tiers == ("cpu", "disk") and 0 < default.cpu_bytes <= 4 << 30
+    assert 0 < default.disk_bytes <= 64 << 30
+    assert build_config(**ServerConfig(kv_tiers="none").engine_kwargs()).kv_tiers is None
 
 
-def test_default_hints_are_the_headers_they_stand_in_for():
-    cfg = ServerConfig(default_slo_class="batch", default_slo_ttft_ms=250.0)
-    assert cfg.default_hint_headers() == {"X-SLO-Class": "batch", "X-SLO-TTFT-Ms": "250.0"}
-    assert ServerConfig().default_hint_headers() == {}
+def test_default_hints_are_built_once_from_the_settings_and_named_when_bad():
+    from tierserve.engine.kv_hints import KVHints, SloClass
+    from tierserve.engine.kv_tiers.media import Locality, Medium, TierDescriptor
+    from tierserve.server.errors import ApiError
+    from tierserve.server.policy import default_hints
+
+    tiers = [TierDescriptor("cpu", Medium.CPU, Locality.LOCAL),
+             TierDescriptor("disk", Medium.STORAGE, Locality.LOCAL)]
+    cfg = ServerConfig(default_slo_class="batch", default_slo_ttft_ms=250.0,
+                       default_kv_store_tiers="cpu")
+    assert default_hints(cfg, tiers) == KVHints(store_tiers=("cpu",), ttft_budget_ms=250.0,
+                                                slo_class=SloClass.BATCH)
+    assert default_hints(ServerConfig(), tiers).empty
+    # a request that sends only its budget keeps the other defaults, field by field
+    merged = KVHints(ttft_budget_ms=90.0).over(default_hints(cfg, tiers))
+    assert merged.store_tiers == ("cpu",) and merged.ttft_budget_ms == 90.0
+    with pytest.raises(ApiError) as e:
+        default_hints(ServerConfig(default_kv_load_tiers="cpu,s3"), tiers)
+    assert e.value.param == "default_kv_load_tiers" and "unknown tier 's3'" in e.value.message

@@ -42,7 +42,8 @@ class InProcess:
 
 @contextlib.contextmanager
 def in_process_server() -> Iterator[InProcess]:
-    config = ServerConfig(port=free_port(), kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    config = ServerConfig(port=free_port(), kv_cache_memory_bytes=64 << 20, max_model_len=512,
+                          kv_tiers="none")
     engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
     engine.start()
     server = uvicorn.Server(uvicorn.Config(build_app(config, engine), host="127.0.0.1",

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tierserve.engine.kv_hints import KVHints, SloClass
-from tierserve.engine.tier_policy import CostModel, TierInfo, TierPolicy
+from tierserve.engine.kv_tiers.media import Locality, Medium, TierDescriptor
+from tierserve.engine.tier_policy import CostModel, SkipReason, TierPolicy
 from tierserve.server.errors import ApiError
-from tierserve.server.policy import TierRef, parse_hints
+from tierserve.server.policy import parse_hints, policy_header
 
-TIERS = [TierRef("cpu", "CPU", "LOCAL"), TierRef("disk", "STORAGE", "LOCAL"),
-         TierRef("s3", "STORAGE", "REMOTE")]
+TIERS = [TierDescriptor("cpu", Medium.CPU, Locality.LOCAL),
+         TierDescriptor("disk", Medium.STORAGE, Locality.LOCAL),
+         TierDescriptor("s3", Medium.STORAGE, Locality.REMOTE)]
 
 
 def hints(headers=None, body=None) -> KVHints:
@@ -93,7 +95,6 @@ def test_a_tier_this_server_lacks_is_unknown():
 
 # ---- the policy --------------------------------------------------------------------------------
 
-INFO = [TierInfo("cpu", True), TierInfo("disk", True), TierInfo("s3", False)]
 BLOCK = 737_280
 
 
@@ -107,7 +108,7 @@ def policy(s3_ms_per_block: float | None = None,
     if s3_ms_per_block is not None:
         cost.observe_lookup("s3", s3_ms_per_block / 1e3)
         cost.observe_load("s3", BLOCK, s3_ms_per_block / 1e3)
-    return TierPolicy(INFO, cost, 16, remote_min_tokens=512)
+    return TierPolicy(TIERS, cost, 16, remote_min_tokens=512)
 
 
 def test_explicit_tiers_win_over_the_cost_model():
@@ -120,8 +121,8 @@ def test_interactive_skips_a_remote_load_that_cannot_fit_the_budget():
     # 125 blocks (2,000 tokens): recompute 4 s at 500 tok/s; s3 at 5 ms a block: ~0.6 s
     p = policy(s3_ms_per_block=5)
     tight = p.decide(KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=500), 125, 0.0, 0.0)
-    assert tight.load_tiers == ("cpu", "disk") and tight.skipped == {"s3": "budget"}
-    assert "s3 skipped: est" in tight.header() and "500 ms budget" in tight.header()
+    assert tight.load_tiers == ("cpu", "disk") and tight.skipped == {"s3": SkipReason.BUDGET}
+    assert "s3 skipped: est" in policy_header(tight) and "500 ms budget" in policy_header(tight)
     assert tight.store_tiers == ("cpu", "disk")  # interactive: local tiers only
     roomy = p.decide(KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=2000), 125, 0.0, 0.0)
     assert roomy.load_tiers == ("cpu", "disk", "s3")
@@ -131,7 +132,7 @@ def test_time_already_waited_comes_off_the_budget():
     p = policy(s3_ms_per_block=2)  # ~0.25 s for 125 blocks
     h = KVHints(slo_class=SloClass.INTERACTIVE, ttft_budget_ms=500)
     assert "s3" in p.decide(h, 125, arrival=0.0, now=0.1).load_tiers
-    assert p.decide(h, 125, arrival=0.0, now=0.4).skipped["s3"] == "budget"
+    assert p.decide(h, 125, arrival=0.0, now=0.4).skipped["s3"] is SkipReason.BUDGET
 
 
 def test_batch_loads_from_and_stores_to_every_tier_whatever_the_cost():
@@ -142,7 +143,7 @@ def test_batch_loads_from_and_stores_to_every_tier_whatever_the_cost():
 
 def test_a_load_slower_than_recompute_is_skipped_by_cost():
     d = policy(s3_ms_per_block=100).decide(KVHints(), 125, 0.0, 0.0)  # 12.5 s vs 4 s
-    assert d.skipped == {"s3": "cost"} and d.load_tiers == ("cpu", "disk")
+    assert d.skipped == {"s3": SkipReason.COST} and d.load_tiers == ("cpu", "disk")
 
 
 def test_no_load_is_skipped_for_cost_before_a_prefill_is_measured():
@@ -151,13 +152,13 @@ def test_no_load_is_skipped_for_cost_before_a_prefill_is_measured():
     d = cold.decide(KVHints(), 125, 0.0, 0.0)
     assert d.load_tiers == ("cpu", "disk", "s3") and d.skipped == {}
     cold.cost.observe_prefill(2000, 4.0)  # 500 tok/s: now 12.5 s of s3 loses to 4 s
-    assert cold.decide(KVHints(), 125, 0.0, 0.0).skipped == {"s3": "cost"}
-    assert cold.decide(KVHints(ttft_budget_ms=500), 125, 0.0, 0.0).skipped == {"s3": "budget"}
+    assert cold.decide(KVHints(), 125, 0.0, 0.0).skipped == {"s3": SkipReason.COST}
+    assert cold.decide(KVHints(ttft_budget_ms=500), 125, 0.0, 0.0).skipped == {"s3": SkipReason.BUDGET}
 
 
 def test_short_prompts_skip_remote_tiers_and_unmeasured_tiers_are_tried():
     p = policy(s3_ms_per_block=None)
-    assert p.decide(KVHints(), 10, 0.0, 0.0).skipped == {"s3": "short prompt"}
+    assert p.decide(KVHints(), 10, 0.0, 0.0).skipped == {"s3": SkipReason.SHORT_PROMPT}
     assert p.decide(KVHints(), 125, 0.0, 0.0).load_tiers == ("cpu", "disk", "s3")
 
 
@@ -166,7 +167,7 @@ def test_token_budgets_become_block_limits_and_zero_turns_a_side_off():
     d = p.decide(KVHints(max_load_tokens=100, max_offload_tokens=0), 125, 0.0, 0.0)
     assert d.max_load_blocks == 6 and d.store_tiers == ()
     off = p.decide(KVHints(max_load_tokens=0), 125, 0.0, 0.0)
-    assert off.load_tiers == () and "max_load_tokens=0" in off.header()
+    assert off.load_tiers == () and "max_load_tokens=0" in policy_header(off)
 
 
 def test_the_deadline_is_arrival_plus_budget():

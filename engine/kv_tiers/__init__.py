@@ -12,6 +12,7 @@ _LAZY = {
     "TierConfig": "tierserve.engine.kv_tiers.config",
     "Medium": "tierserve.engine.kv_tiers.media",
     "Locality": "tierserve.engine.kv_tiers.media",
+    "TierDescriptor": "tierserve.engine.kv_tiers.media",
     "TIERS": "tierserve.engine.kv_tiers.registry",
     "tier_class": "tierserve.engine.kv_tiers.registry",
     "create_tier": "tierserve.engine.kv_tiers.registry",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
 from tierserve.engine.kv_tiers.registry import TIERS
@@ -72,3 +74,33 @@ class TierConfig:
                       "event_log_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be at least 1, got {getattr(self, field)}")
+
+
+def default_cpu_bytes() -> int:
+    """The cpu tier's size when none is given: an eighth of the host's memory, at most 4 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return 4 << 30
+    return max(1 << 20, min(4 << 30, total // 8))
+
+
+def default_disk_bytes(folder: str) -> int:
+    """The disk tier's size when none is given: a quarter of the space free where `folder` is
+    (or will be created), at most 64 GiB."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return 64 << 30
+    return max(1 << 20, min(64 << 30, free // 4))
+
+
+def describe_tiers(config: TierConfig) -> str:
+    """The start-up line's words: each tier with its bound."""
+    words = {"cpu": f"cpu ({config.cpu_bytes / 2**30:.1f} GiB of host memory)",
+             "disk": f"disk ({config.disk_dir}, {config.disk_bytes / 2**30:.1f} GiB)",
+             "s3": f"s3 (s3://{config.s3_bucket}/{config.s3_prefix})"}
+    return ", ".join(words[n] for n in config.tiers)

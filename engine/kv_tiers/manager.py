@@ -34,6 +34,7 @@ from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.events import BlockMeta, EventLog
+from tierserve.engine.kv_tiers.media import TierDescriptor
 from tierserve.engine.kv_tiers.layout import BlockLayout
 from tierserve.engine.kv_tiers.load import LoadHandle, TierHit
 from tierserve.engine.kv_tiers.registry import TIERS, create_tier
@@ -58,6 +59,10 @@ class TierManager:
         self._writers = {name: StoreQueue(t, config.store_queue_depth, config.store_workers)
                          for name, t in self.tiers.items()}
         self._pool = cf.ThreadPoolExecutor(config.load_workers, thread_name_prefix="kv-load")
+
+    def descriptors(self) -> tuple[TierDescriptor, ...]:
+        """The tiers in lookup order, as the policy and the server name them."""
+        return tuple(TierDescriptor(n, t.medium, t.locality) for n, t in self.tiers.items())
 
     def lookup(self, keys: Sequence[BlockHash], load_tiers: Iterable[str] | None = None,
                max_blocks: int | None = None) -> TierHit:

@@ -3,6 +3,8 @@ why."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 
 from tierserve.server.body import CheckedRoute
@@ -13,20 +15,11 @@ router = APIRouter(route_class=CheckedRoute)
 
 @router.get("/v1/backends")
 async def backends(request: Request) -> dict:
-    engine = context(request).engine.engine
-    runner = engine.runner
-    return {"object": "backends", "backend": runner.backend.name,
-            "device": engine.device_choice.device, "device_reason": engine.device_choice.reason,
-            "dtype": engine.dtype_choice.dtype, "dtype_reason": engine.dtype_choice.reason,
-            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
-            "sparse_decode": _sparse(engine),
-            **{phase: r.to_json() for phase, r in runner.routes.items()}}
-
-
-def _sparse(engine) -> dict:
-    """Whether sparse top-k decode is configured, and whether the decode backend runs it."""
-    cfg, caps = engine.config.sparse, engine.runner.backend.capabilities
-    return {"enabled": cfg.enabled, "backend_supports": caps.sparse,
-            "active": cfg.enabled and caps.sparse, "topk_blocks": cfg.topk_blocks,
-            "topk_ratio": cfg.topk_ratio, "min_context": cfg.min_context,
-            "dense_layers": cfg.dense_layers}
+    info = context(request).engine.info
+    sparse = info.sparse
+    return {"object": "backends", "backend": info.backend,
+            "device": info.device.device, "device_reason": info.device.reason,
+            "dtype": info.dtype.dtype, "dtype_reason": info.dtype.reason,
+            "kv_cache_dtype": info.kv_cache_dtype,
+            "sparse_decode": {**dataclasses.asdict(sparse), "active": sparse.active},
+            **{phase: r.to_json() for phase, r in info.routes.items()}}

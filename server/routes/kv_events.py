@@ -54,11 +54,11 @@ async def kv_events(request: Request, since: int = Query(
 
 
 def _event_log(ctx: ServerContext) -> EventLog:
-    tier_io = ctx.engine.engine.tier_io
-    if tier_io is None:
-        raise ApiError(404, "no KV tiers configured: start the server with --kv-tiers to get "
-                            "KV events", code="kv_tiers_disabled")
-    return tier_io.manager.events
+    events = ctx.engine.info.events
+    if events is None:
+        raise ApiError(404, "no KV tiers configured (--kv-tiers none): no KV events",
+                       code="kv_tiers_disabled")
+    return events
 
 
 def _resume_point(request: Request, since: int) -> int:
