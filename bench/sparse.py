@@ -9,9 +9,15 @@
 3. Accuracy (--accuracy): teacher-forced top-1 agreement with dense and the perplexity change over
    K from 1/16 to 1/2 of the blocks, two dense layers, on tests/data/long_text.md.
 4. Granularity (--granularity, alone): the same at K = 1/4 with block sizes 4, 8, 16 and 32.
+5. Kernel (--kernel, alone): the native attention kernels by themselves at context 8192, block 16,
+   K = n/8, SmolLM2's heads, fp32, batch 1 and 8, with every thread and with one: dense
+   paged_decode against sparse_paged_decode, and the selection's time per (sequence, KV head).
+   Each call reads another of several layers' caches (about 200 MB in all), so each finds its
+   blocks cold, as in a model. A table, and OUT/sparse_kernel.json.
 
     .venv/bin/python bench/sparse.py [--accuracy] [--out docs/]
     .venv/bin/python bench/sparse.py --granularity [--replot]   # plot: docs/sparse_granularity.png
+    .venv/bin/python bench/sparse.py --kernel [--repeat 1]      # 4 calls per layer by default
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # sparse_fixtures: the kernel tests' random batches
 CONTEXTS = (1024, 2048, 4096, 8192)
 BATCHES = (1, 8)
 
@@ -179,6 +186,74 @@ def granularity(ratio: float, start: int, positions: int) -> list[dict]:
     return [accuracy_at(ratio, bs, start, positions) for bs in (4, 8, 16, 32)]
 
 
+def kernel_batches(batch: int, ctx: int, bs: int, shape: tuple[int, int, int]) -> list[tuple]:
+    """Random batches for as many layers as make ~200 MB of cache at context 8192 (16 at batch 1),
+    so the calls taking turns over them read their blocks cold."""
+    from sparse_fixtures import random_batch
+
+    layers = max(2, 16 // batch)
+    return [random_batch([ctx] * batch, shape, bs, torch.float32, seed=l) for l in range(layers)]
+
+
+def kernel_row(ext, batch: int, threads: int, layers: list[tuple], topk: int, reps: int,
+               bs: int = 16) -> dict:
+    """Median ms of one dense and one sparse decode call over `layers` in turn, on `threads`."""
+    hkv, d = layers[0][1].shape[1], layers[0][0].shape[2]  # kv [2, Hkv, slots, D], q [B, H, D]
+    turn = iter(range(1 << 30))
+    stats = torch.zeros(2, dtype=torch.float64)
+    selected = torch.empty(batch, hkv, topk, dtype=torch.int32)
+
+    def dense():
+        q, kv, _, tables, lens = layers[next(turn) % len(layers)]
+        ext.paged_decode(q, kv, tables, lens, bs, d ** -0.5)
+
+    def sparse():
+        q, kv, summary, tables, lens = layers[next(turn) % len(layers)]
+        ext.sparse_paged_decode(q, kv, summary, tables, lens, bs, d ** -0.5, topk, selected, stats)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t_dense, t_sparse = median_time(dense, reps), median_time(sparse, reps)
+    finally:
+        torch.set_num_threads(old)
+    calls = (reps + 1) * batch * hkv  # median_time makes one warm-up call more
+    return dict(batch=batch, threads=threads, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3,
+                speedup=t_dense / t_sparse, select_us_per_head=stats[1].item() / 1e3 / calls)
+
+
+def kernel(repeat: int, ctx: int = 8192) -> list[dict]:
+    """Dense against sparse decode attention, the kernels alone (was a printed timing in
+    tests/test_sparse_kernel.py)."""
+    from tierserve.kernels.native import load_extension
+
+    ext = load_extension()
+    if ext is None:
+        raise SystemExit("the native extension could not be built here (see the log above)")
+    bs, shape = 16, (9, 3, 64)
+    rows = []
+    for b in BATCHES:
+        layers = kernel_batches(b, ctx, bs, shape)
+        for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
+            rows.append(kernel_row(ext, b, threads, layers, ctx // bs // 8, repeat * len(layers),
+                                   bs))
+            log(f"batch {b}, {threads} threads: dense {rows[-1]['dense_ms']:.3f} ms, sparse "
+                f"{rows[-1]['sparse_ms']:.3f} ms")
+    return rows
+
+
+def print_kernel_table(rows: list[dict], ctx: int = 8192) -> None:
+    from tables import markdown_table
+
+    n = ctx // 16
+    print(f"\n## decode attention alone, context {ctx}, block 16, topk {n // 8} of {n}, "
+          f"H=9 Hkv=3 D=64, fp32\n")
+    print(markdown_table(
+        ("batch", "threads", "dense ms", "sparse ms", "speedup", "select us / head"), "rrrrrr",
+        ([r["batch"], r["threads"], f"{r['dense_ms']:.3f}", f"{r['sparse_ms']:.3f}",
+          f"{r['speedup']:.1f}x", f"{r['select_us_per_head']:.1f}"] for r in rows)))
+
+
 def plot(result: dict, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -246,7 +321,8 @@ def plot_granularity(rows: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ratio", type=float, default=1 / 8, help="K as a share of the blocks")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=None,
+                   help="timed runs of each (default 5; --kernel: per layer's cache, default 4)")
     p.add_argument("--accuracy", action="store_true", help="also the accuracy curve over K")
     p.add_argument("--start", type=int, default=4000, help="accuracy: dense prefill tokens")
     p.add_argument("--positions", type=int, default=400, help="accuracy: decoded positions")
@@ -254,8 +330,16 @@ def main() -> None:
     p.add_argument("--replot", action="store_true", help="plot OUT/sparse.json again, no run")
     p.add_argument("--granularity", action="store_true",
                    help="only accuracy at K = 1/4 over block sizes 4-32 (OUT/sparse_granularity.json)")
+    p.add_argument("--kernel", action="store_true",
+                   help="only the attention kernels alone, dense against sparse (a table)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.kernel:
+        rows = kernel(4 if args.repeat is None else args.repeat)
+        (args.out / "sparse_kernel.json").write_text(json.dumps(rows, indent=1))
+        print_kernel_table(rows)
+        return
+    args.repeat = 5 if args.repeat is None else args.repeat
     if args.granularity:
         saved = args.out / "sparse_granularity.json"
         rows = (json.loads(saved.read_text()) if args.replot

@@ -35,7 +35,8 @@ class EvictedBlock(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 keep_evicted: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -45,10 +46,10 @@ class BlockPool:
         """Blocks looked up in the prefix index (a metrics counter)."""
         self.hits = 0
         """Blocks found in the prefix index."""
-        self.evicted: list[EvictedBlock] | None = None
-        """When a list (a KV tier wants demotions): the cached blocks that allocation took for
-        new data since the owner last emptied it. Their KV is intact until the next model step
-        or block write."""
+        self._evicted: list[EvictedBlock] | None = [] if keep_evicted else None
+        """With keep_evicted (a cpu tier wants demotions): the cached blocks allocation took for
+        new data since the last take_evicted(). Their KV is intact until the next model step or
+        block write."""
 
     @property
     def num_blocks(self) -> int:
@@ -100,11 +101,19 @@ class BlockPool:
             if b.hash is not None:
                 if self._index.get(b.hash) == bid:
                     del self._index[b.hash]
-                    if self.evicted is not None:
-                        self.evicted.append(EvictedBlock(b.hash, bid, b.token_ids))
+                    if self._evicted is not None:
+                        self._evicted.append(EvictedBlock(b.hash, bid, b.token_ids))
                 b.hash, b.token_ids = None, ()
             b.ref_cnt = 1
             out.append(bid)
+        return out
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks allocation took since the last call (always [] without
+        keep_evicted)."""
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

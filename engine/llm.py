@@ -24,7 +24,16 @@ _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 TIER_ARGS = {"cpu_tier_bytes": "cpu_bytes", "disk_tier_dir": "disk_dir",
              "disk_tier_bytes": "disk_bytes", "s3_bucket": "s3_bucket", "s3_prefix": "s3_prefix",
              "s3_endpoint_url": "s3_endpoint_url", "s3_region": "s3_region",
-             "kv_events_token_ids": "event_token_ids"}
+             "kv_events_token_ids": "event_token_ids", "kv_load_timeout_s": "load_timeout_s",
+             "disk_tier_error_backoff_s": "disk_error_backoff_s",
+             "s3_connect_timeout_s": "s3_connect_timeout_s",
+             "s3_read_timeout_s": "s3_read_timeout_s", "s3_max_attempts": "s3_max_attempts",
+             "s3_probe_batch": "s3_probe_batch", "s3_create_bucket": "s3_create_bucket",
+             "s3_breaker_threshold": "breaker_threshold",
+             "s3_breaker_backoff_s": "breaker_backoff_s",
+             "s3_breaker_max_backoff_s": "breaker_max_backoff_s",
+             "kv_store_queue_depth": "store_queue_depth", "kv_store_workers": "store_workers",
+             "kv_load_workers": "load_workers", "kv_event_log_size": "event_log_size"}
 
 # The flat names of the sparse decode settings -> SparseConfig fields.
 SPARSE_ARGS = {"sparse_topk_blocks": "topk_blocks", "sparse_topk_ratio": "topk_ratio",

@@ -19,7 +19,7 @@ from tierserve.engine.info import EngineInfo, SparseStatus
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.loaders import load_model_source
 from tierserve.engine.kv_hints import NO_HINTS, KVHints
-from tierserve.engine.kv_tiers.config import describe_tiers
+from tierserve.engine.kv_tiers.config import TierConfig, describe_tiers
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
@@ -27,7 +27,8 @@ from tierserve.engine.request import Request, RequestId, RequestStatus
 from tierserve.engine.sampler import TopLogprobs
 from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.scheduler import Scheduler
-from tierserve.engine.tier_io import TierIO
+from tierserve.engine.kv_connector import KVConnectorScheduler, NoKVConnector
+from tierserve.engine.kv_worker import KVConnectorWorker, NoKVWorker
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
 
@@ -125,13 +126,18 @@ class LLMEngine:
         del src
         if profile_gpu:
             num_blocks = self._size_gpu_cache(block_bytes, model_len)
+        tiers = config.kv_tiers
         self.pool = BlockPool(num_blocks - self.runner.graph_reserved_blocks, bs,
-                              config.cache.enable_prefix_caching)
+                              config.cache.enable_prefix_caching,
+                              keep_evicted=tiers is not None and "cpu" in tiers.tiers)
         # a sequence can hold only the pool's blocks (not the CUDA graphs' scratch block)
         self.max_model_len = min(self.max_model_len, self.pool.num_blocks * bs)
         self.runner.capture_graphs(self.pool.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra)
-        self.tier_io = self._tiers(config) if config.kv_tiers is not None else None
+        self.kv, self.kv_worker = self._connector(tiers)
+        """The KV connector's scheduler side (torch-free) and worker side: no-ops without
+        tiers."""
+        self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra,
+                                   self.kv.on_admit)
         self.stats = EngineStats()
         self._tracked: dict[RequestId, _Tracked] = {}
         self.info = self._describe()
@@ -156,17 +162,18 @@ class LLMEngine:
                  num_blocks * bs)
         return num_blocks
 
-    def _tiers(self, config: EngineConfig) -> TierIO:
-        manager = TierManager(config.kv_tiers, self.fingerprint, self.runner.block_shape,
+    def _connector(self, tiers: TierConfig | None):
+        if tiers is None:
+            return NoKVConnector(), NoKVWorker()
+        manager = TierManager(tiers, self.fingerprint, self.runner.block_shape,
                               self.runner.kv_dtype)
-        io = TierIO(manager, self.runner, self.scheduler, self.pool)
-        self.scheduler.on_admit = io.on_admit
-        log.info("KV tiers: %s", describe_tiers(config.kv_tiers))
-        return io
+        kv = KVConnectorScheduler(manager.descriptors(), self.config.cache.block_size,
+                                  manager.layout.block_bytes, self.pool)
+        log.info("KV tiers: %s (--kv-tiers none turns them off)", describe_tiers(tiers))
+        return kv, KVConnectorWorker(manager, self.runner, kv.cost, tiers.load_timeout_s)
 
     def _describe(self) -> EngineInfo:
-        runner, sparse, io = self.runner, self.config.sparse, self.tier_io
-        manager = io.manager if io is not None else None
+        runner, sparse, manager = self.runner, self.config.sparse, self.kv_worker.manager
         return EngineInfo(
             model=self.config.model, max_model_len=self.max_model_len,
             device=self.device_choice, dtype=self.dtype_choice,
@@ -178,12 +185,11 @@ class LLMEngine:
             tiers=manager.descriptors() if manager is not None else (),
             events=manager.events if manager is not None else None,
             tier_stats=manager.stats if manager is not None else None,
-            policy_counters=io.counters if io is not None else None)
+            policy_counters=self.kv.counters)
 
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
-        if self.tier_io is not None:
-            self.tier_io.close()
+        self.kv_worker.close()
 
     def _hash_extra(self, req: Request) -> bytes:
         return self.fingerprint + scope_key(req.cache_scope, req.cache_salt)
@@ -243,8 +249,8 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._tracked.pop(req.request_id, None)
-            if self.tier_io is not None:
-                self.tier_io.cancel(req.request_id)
+            self.kv.finished([req.request_id])
+            self.kv_worker.cancel(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -252,19 +258,18 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        tiers = self.tier_io
-        if tiers is not None:
-            tiers.poll()
+        self._bring_in_loads()
         out = self.scheduler.schedule()
-        if out.empty:
-            if tiers is not None:  # only loads are in flight: wait for one instead of spinning
-                tiers.wait(0.02)
+        self.kv.preempted(out.preempted)
+        self.kv_worker.start(self.kv.take_loads())
+        self.kv_worker.copy_out(self.kv.demotions(self.pool.take_evicted()))  # before reuse
+        if out.empty:  # only loads are in flight: wait for one instead of spinning
+            self.kv_worker.wait(0.02)
             return []
-        if tiers is not None:
-            tiers.demote_evicted()
         started = time.monotonic()
         result = self.runner.execute(out)
-        self.scheduler.update(out, result.sampled)
+        full = self.scheduler.update(out, result.sampled)
+        self.kv_worker.copy_out(self.kv.stores(full))
         self.stats.steps += 1
         self.stats.computed_tokens += out.num_batched_tokens
         self.stats.iteration_tokens.observe(out.num_batched_tokens)
@@ -272,8 +277,7 @@ class LLMEngine:
         self.stats.metadata_bytes.observe(result.metadata_bytes)
         self.stats.metadata_seconds += result.metadata_seconds
         now = time.monotonic()
-        if tiers is not None:
-            tiers.observe_step(out.num_batched_tokens, now - started)
+        self.kv.observe_step(out.num_batched_tokens, now - started)
         outputs = []
         for s in out.scheduled:
             rid = s.request.request_id
@@ -292,9 +296,16 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             self._check_stop(tr)
             outputs.append(self._output(tr))
-        if tiers is not None:
-            tiers.store_full()
         return outputs
+
+    def _bring_in_loads(self) -> None:
+        """Finished tier loads into the device cache: blocks placed (a cached block the
+        allocation takes goes to the cpu tier first), KV written, then published."""
+        placed = self.kv.place(self.kv_worker.finished())
+        self.kv_worker.copy_out(self.kv.demotions(self.pool.take_evicted()))
+        self.kv_worker.write(placed)
+        for p in placed:
+            self.scheduler.complete_load(p.request, list(p.block_ids))
 
     def _check_stop(self, tr: _Tracked) -> None:
         req, p = tr.request, tr.request.params
@@ -325,14 +336,12 @@ class LLMEngine:
         comp = CompletionOutput(0, tr.detok.visible(done), list(req.output_token_ids),
                                 list(tr.logprobs) if tr.logprobs is not None else None,
                                 req.status.value if done else None, req.stop_reason)
-        hits = None
-        if self.tier_io is not None and req.tier_decision is not None:
-            hits = {"device": req.num_cached_tokens - sum(req.tier_hit_tokens.values())}
-            hits.update({name: req.tier_hit_tokens.get(name, 0)
-                         for name in self.tier_io.manager.tiers})
+        decision, hits = self.kv.facts(req)
+        if done:
+            self.kv.finished([req.request_id])
         return RequestOutput(req.request_id, tr.prompt, req.prompt_token_ids, [comp], done,
                              tr.prompt_logprobs, req.num_cached_tokens, dict(tr.metrics),
-                             req.tier_decision, hits)
+                             decision, hits)
 
 
 def _check_salt(salt: str | None) -> None:

@@ -9,7 +9,6 @@ from typing import NewType
 
 from tierserve.engine.block_hash import BlockHash
 from tierserve.engine.kv_hints import NO_HINTS, KVHints
-from tierserve.engine.tier_policy import TierDecision
 from tierserve.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -56,17 +55,10 @@ class Request:
     num_published_blocks: int = 0
     """Leading blocks already in the prefix index (or taken from it)."""
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache or a KV tier at first admission."""
-    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
-    """Prompt tokens loaded from each KV tier (by tier name)."""
+    """Prompt tokens served from the prefix cache or a KV tier at first admission (which tier
+    served how many: the KV connector's own table)."""
     hints: KVHints = NO_HINTS
     """What the request asked of the KV tiers (explicit tiers, budgets, SLO)."""
-    tier_decision: TierDecision | None = None
-    """The tier policy's latest decision for this request (None without tiers)."""
-    num_stored_blocks: int = 0
-    """Blocks of this request handed to the tier store (for max_offload_tokens)."""
-    tiers_checked: bool = False
-    """The KV tiers were asked for this admission (reset by a preemption: ask again)."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

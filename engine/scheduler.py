@@ -6,10 +6,11 @@ many tokens behind, and both share the step. Requests that run out of blocks pre
 lowest-ranked running request (its blocks are freed and it is recomputed later, mostly from the
 prefix cache or a KV tier).
 
-KV tiers plug in as one hook, `on_admit(request) -> bool`, asked once per admission after the
-device prefix match: True means the hook sent the request to LOADING (its blocks are read in the
-background). LOADING requests stay in the waiting queue but are passed over; `complete_load`
-brings one back with its loaded blocks published, and it is admitted like any other.
+KV tiers plug in as one hook, `on_admit(request) -> bool` (the KV connector's scheduler side),
+asked at each admission attempt after the device prefix match: True means it sent the request
+to LOADING (its blocks are read in the background). LOADING requests stay in the waiting queue
+but are passed over; `complete_load` brings one back with its loaded blocks published, and it is
+admitted like any other. `update` returns the blocks that became full, for the tier store.
 """
 
 from __future__ import annotations
@@ -75,18 +76,15 @@ def _class_rank(req: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, hash_extra: Callable[[Request], bytes],
-                 on_admit: Callable[[Request], bool] | None = None):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 hash_extra: Callable[[Request], bytes],
+                 on_admit: Callable[[Request], bool] = lambda req: False):
         self.config = config
         self.pool = pool
         self.hash_extra = hash_extra
         """Extra bytes mixed into a request's block hashes (model fingerprint + cache salt)."""
         self.on_admit = on_admit
-        """The KV tier lookup (see the module docstring); None without tiers."""
-        self.newly_full: list[FullBlock] = []
-        """Blocks that became full and computed in the last update, for the tier store; the
-        engine takes them after each step (a finished request's blocks keep their KV until
-        allocation reuses them in a later step)."""
+        """The KV tier lookup (see the module docstring)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -154,11 +152,9 @@ class Scheduler:
                 break
             if not req.block_ids:
                 self._match_prefix(req)
-            if not req.tiers_checked:
-                req.tiers_checked = True
-                if self.on_admit is not None and self.on_admit(req):
-                    req.status = RequestStatus.LOADING
-                    continue
+            if self.on_admit(req):
+                req.status = RequestStatus.LOADING
+                continue
             n = self._chunk(req, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
@@ -234,17 +230,17 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.PREEMPTED
-        req.tiers_checked = False  # its blocks may be in a tier by now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 
     # ---- after the model ran ---------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
-        """Advance computed counts, append sampled tokens, publish newly full blocks."""
+    def update(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> list[FullBlock]:
+        """Advance computed counts, append sampled tokens, publish newly full blocks; returns
+        those blocks (a finished request's keep their KV until allocation reuses them)."""
         bs = self.pool.block_size
-        self.newly_full = []
+        full_blocks: list[FullBlock] = []
         for s in output.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
@@ -260,7 +256,8 @@ class Scheduler:
                 for i in range(req.num_published_blocks, full):
                     block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
                     self.pool.publish(req.block_ids[i], req.block_hashes[i], block_tokens)
-                    self.newly_full.append(FullBlock(
+                    full_blocks.append(FullBlock(
                         req.block_hashes[i], req.block_ids[i],
                         req.block_hashes[i - 1] if i > 0 else None, block_tokens, req))
                 req.num_published_blocks = full
+        return full_blocks

@@ -35,7 +35,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         kind = hints[name]
         doc = _field_doc(name)
-        if kind is bool:
+        if bool in (kind, *typing.get_args(kind)):  # bool, or bool | None (unset: a default)
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
         if typing.get_origin(kind) is tuple:  # repeatable, each may be a comma list

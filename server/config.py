@@ -140,6 +140,35 @@ class ServerConfig:
     """S3-compatible endpoint URL (SeaweedFS, MinIO, ...); unset: AWS."""
     s3_region: str | None = None
     """Region of the s3 tier's bucket."""
+    kv_load_timeout_s: float | None = None
+    """Abandon a tier load's reads after this many seconds (or the request's TTFT budget, if
+    sooner) and recompute the rest; unset: 30."""
+    disk_tier_error_backoff_s: float | None = None
+    """After a failed disk write (full, read-only), disk stores pause this long; unset: 30."""
+    s3_connect_timeout_s: float | None = None
+    """TCP connect timeout of one s3 attempt; unset: 2."""
+    s3_read_timeout_s: float | None = None
+    """Socket read timeout of one s3 attempt; unset: 5."""
+    s3_max_attempts: int | None = None
+    """Attempts per s3 request, the first included; unset: 2."""
+    s3_probe_batch: int | None = None
+    """s3 HEAD requests in flight at once during a lookup; unset: 8."""
+    s3_create_bucket: bool | None = None
+    """Create the s3 bucket before the first write if it is missing; unset: yes."""
+    s3_breaker_threshold: int | None = None
+    """Consecutive failed s3 requests that open the circuit breaker; unset: 3."""
+    s3_breaker_backoff_s: float | None = None
+    """First wait before an open breaker lets one probe through (doubles per failure); unset: 5."""
+    s3_breaker_max_backoff_s: float | None = None
+    """Cap of the breaker's wait; unset: 60."""
+    kv_store_queue_depth: int | None = None
+    """Pending store jobs per tier (more are dropped and counted, never waited for); unset: 64."""
+    kv_store_workers: int | None = None
+    """Writer threads per tier; unset: 1."""
+    kv_load_workers: int | None = None
+    """Threads reading tier payloads for loads, shared by all tiers; unset: 4."""
+    kv_event_log_size: int | None = None
+    """KV events kept for GET /v1/kv/events readers that fall behind; unset: 10000."""
     default_kv_load_tiers: str | None = None
     """X-KV-Load-Tiers for requests that send none (tier names, all or none)."""
     default_kv_store_tiers: str | None = None
@@ -203,7 +232,8 @@ class ServerConfig:
                 "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
-                "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids")
+                "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids",
+                *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 
     @property
@@ -228,6 +258,11 @@ _AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes")
 _KEY_FIELDS = ("api_key", "admin_api_key")
 """Secrets: counted, never shown, in the start-up line."""
 CACHE_SCOPES = ("per-key", "shared")
+TIER_KNOBS = ("kv_load_timeout_s", "disk_tier_error_backoff_s", "s3_connect_timeout_s",
+              "s3_read_timeout_s", "s3_max_attempts", "s3_probe_batch", "s3_create_bucket",
+              "s3_breaker_threshold", "s3_breaker_backoff_s", "s3_breaker_max_backoff_s",
+              "kv_store_queue_depth", "kv_store_workers", "kv_load_workers", "kv_event_log_size")
+"""The tier settings beyond sizes and places (engine.llm.TIER_ARGS maps them to TierConfig)."""
 DEFAULT_TIERS = "cpu,disk"
 """The tiers a server runs when kv_tiers is not set (every README example needs them)."""
 

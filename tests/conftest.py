@@ -8,17 +8,12 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Servers run a disk tier by default: one a test starts without naming a folder keeps its blocks
-# under this session's temporary folder, never in the user's ~/.cache/tierserve/kv.
-os.environ.setdefault("TIERSERVE_DISK_TIER_DIR",
-                      os.path.join(tempfile.mkdtemp(prefix="tierserve-tests-"), "kv"))
 
 from tierserve.engine import LLM, loaders  # noqa: E402
 from tierserve.engine.loaders import resolve_path  # noqa: E402

@@ -19,7 +19,8 @@ import uvicorn
 
 from s3_fixtures import BUCKET
 from server_fixtures import MODEL, free_port, run_server
-from tierserve.engine.tier_io import PolicyCounters
+from tierserve.engine.kv_connector import KVConnectorScheduler, PolicyCounters
+from tierserve.engine.kv_worker import KVConnectorWorker
 from tierserve.engine.block_hash import extend_hashes, fingerprint
 from tierserve.engine.block_pool import BlockPool
 from tierserve.engine.kv_tiers import codec
@@ -30,7 +31,6 @@ from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.scheduler import FullBlock
-from tierserve.engine.tier_io import TierIO
 from tierserve.server.app import build_app
 from tierserve.server.config import ServerConfig
 from tierserve.server.routes import kv_events
@@ -238,38 +238,39 @@ def test_s3_clear_deletes_what_this_process_uploaded_and_announces_it(weed, s3_c
 
 
 class FakeRunner:
-    """The model runner's one method TierIO's stores use: the KV of device blocks."""
+    """The model runner's one method the worker side's copies use: the KV of device blocks."""
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return blocks(len(block_ids))
 
 
 def test_engine_side_stores_full_blocks_as_a_chain_and_demotions_with_their_tokens(tmp_path):
-    """TierIO hands the tiers the scheduler's full blocks (parent and tokens known) and the
-    blocks the device pool takes back (tokens kept by the pool, no parent: one event each)."""
+    """The connector hands the tiers the scheduler's full blocks (parent and tokens known) and
+    the blocks the device pool takes back (tokens kept by the pool, no parent: one event each)."""
     tokens = list(range(50, 62))
     keys = chain(tokens)
-    pool = BlockPool(3, 4)
-    sched = SimpleNamespace(newly_full=[])
-    io = TierIO(manager(tmp_path, tiers=("cpu",)), FakeRunner(), sched, pool)
+    pool = BlockPool(3, 4, keep_evicted=True)
+    mgr = manager(tmp_path, tiers=("cpu",))
+    kv = KVConnectorScheduler(mgr.descriptors(), 4, mgr.layout.block_bytes, pool)
+    worker = KVConnectorWorker(mgr, FakeRunner(), kv.cost)
     try:
         ids = pool.allocate(3)
         for i, bid in enumerate(ids):
             pool.publish(bid, keys[i], tokens[4 * i:4 * (i + 1)])
         req = Request(RequestId("r"), tokens, SamplingParams(max_tokens=1), 1)
-        sched.newly_full = [FullBlock(keys[i], bid, keys[i - 1] if i else None,
-                                      tuple(tokens[4 * i:4 * (i + 1)]), req)
-                            for i, bid in enumerate(ids)]
-        io.store_full()
-        assert io.manager.flush(10)
-        io.manager.clear()  # so the demotion below has something to add
+        full = [FullBlock(keys[i], bid, keys[i - 1] if i else None,
+                          tuple(tokens[4 * i:4 * (i + 1)]), req) for i, bid in enumerate(ids)]
+        worker.copy_out(kv.stores(full))
+        assert mgr.flush(10)
+        mgr.clear()  # so the demotion below has something to add
         pool.free(ids)  # last-to-first: allocation takes the tail's blocks first
         pool.allocate(2)
-        io.demote_evicted()
-        assert io.manager.flush(10)
-        events = of(io.manager.events, BlockStored)
+        worker.copy_out(kv.demotions(pool.take_evicted()))
+        assert mgr.flush(10)
+        assert pool.take_evicted() == []  # taken once
+        events = of(mgr.events, BlockStored)
     finally:
-        io.close()
+        worker.close()
     assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in events] == [
         (tuple(keys), None, tuple(tokens)),
         ((keys[2],), None, tuple(tokens[8:])), ((keys[1],), None, tuple(tokens[4:8]))]

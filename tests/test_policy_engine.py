@@ -41,7 +41,7 @@ def _run(llm: LLM, prompt, hints: KVHints | None = None, reset: bool = True):
     if reset:
         llm.engine.pool.reset_prefix_cache()
     out = llm.generate([prompt], GREEDY, kv_hints=hints)[0]
-    assert llm.engine.tier_io.manager.flush(30)
+    assert llm.engine.kv_worker.manager.flush(30)
     return out
 
 
@@ -50,7 +50,7 @@ def test_store_filters_and_budgets_hold_in_the_tiers(tmp_path, weed, s3_creds, p
     llm = LLM(kv_cache_memory_bytes=96 << 20, max_model_len=2048, kv_tiers=TierConfig(
         tiers=("cpu", "disk", "s3"), disk_dir=str(tmp_path / "kv"), s3_bucket=BUCKET,
         s3_endpoint_url=weed.endpoint_url, s3_region="us-east-1", s3_prefix=prefix))
-    tiers = llm.engine.tier_io.manager.tiers
+    tiers = llm.engine.kv_worker.manager.tiers
     try:
         disk_only = _run(llm, prompt, KVHints(store_tiers=("disk",)))
         assert disk_only.outputs[0].token_ids == cold
@@ -81,7 +81,7 @@ def test_the_cost_model_skips_a_slow_s3_for_interactive_and_recovers(weed, s3_cr
         llm = LLM(kv_cache_memory_bytes=96 << 20, max_model_len=2048, kv_tiers=TierConfig(
             tiers=("s3",), s3_bucket=BUCKET, s3_endpoint_url=proxy.url, s3_region="us-east-1",
             s3_prefix=f"cost-{uuid.uuid4().hex[:8]}", s3_read_timeout_s=10.0))
-        io = llm.engine.tier_io
+        counters = llm.engine.kv.counters
         try:
             assert _run(llm, prompt, batch).outputs[0].token_ids == cold  # stores to s3
             fast = _run(llm, prompt, batch)  # a fast load: the cost model learns s3
@@ -95,7 +95,7 @@ def test_the_cost_model_skips_a_slow_s3_for_interactive_and_recovers(weed, s3_cr
                 tries.append(out)
                 if out.kv_decision.skipped:
                     break
-            assert io.counters.abandoned >= 1 and tries[0].kv_hit_tokens["s3"] < HIT
+            assert counters.abandoned >= 1 and tries[0].kv_hit_tokens["s3"] < HIT
             skipped = tries[-1]
             assert skipped.kv_decision.skipped == {"s3": SkipReason.BUDGET}
             assert skipped.kv_hit_tokens["s3"] == 0

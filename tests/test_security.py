@@ -201,7 +201,7 @@ def tiered(tmp_path_factory, weed):
 def _tier_keys(cfg: ServerConfig, engine) -> dict[str, set[str]]:
     """What each tier holds, read from the tier itself: the cpu tier's dict, the files in the disk
     tier's folder, the objects in the bucket."""
-    manager = engine.engine.tier_io.manager
+    manager = engine.engine.kv_worker.manager
     assert manager.flush(60)
     disk = {p.name.split(".")[0] for p in Path(cfg.disk_tier_dir).rglob("*.safetensors")}
     s3 = boto3.client("s3", endpoint_url=cfg.s3_endpoint_url, region_name="us-east-1",

@@ -129,7 +129,7 @@ def test_https_with_a_certificate_and_the_probe_follows(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "tierserve", "serve", "--port", str(port), "--log-level",
            "warning", "--kv-cache-memory-bytes", "256MiB", "--ssl-certfile", cert,
-           "--ssl-keyfile", key]
+           "--ssl-keyfile", key, "--disk-tier-dir", str(tmp_path / "kv")]
     trust = ssl.create_default_context(cafile=cert)
     with server_process(cmd, port, tmp_path / "tls.log", dict(os.environ)) as srv:
         url = f"https://127.0.0.1:{port}"

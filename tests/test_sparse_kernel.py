@@ -1,12 +1,9 @@
 """Sparse top-k decode attention (csrc/sparse_decode.cpp) against the torch oracle
 (kernels/sparse.py), against dense paged_decode where every block fits in topk, and the block
-summaries it selects by, kept up step by step. TIERSERVE_SPARSE_BENCH=1 also prints dense against
-sparse attention time at context 8192."""
+summaries it selects by, kept up step by step. The timing of dense against sparse attention is a
+benchmark: bench/sparse.py --kernel."""
 
 from __future__ import annotations
-
-import os
-import time
 
 import pytest
 import torch
@@ -279,58 +276,3 @@ def test_decode_stack_with_sparse_layers(llm, threads):
     assert torch.equal(one_call, by_layer)
     assert not torch.equal(one_call, dense)
     assert stats[0] == by_layer_stats[0] == (len(model.layers) - 2) * hkv * len(lens) * 4
-
-
-# ---- timing (printed, not asserted) -----------------------------------------------------------
-
-
-def _median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[reps // 2]
-
-
-@native
-@pytest.mark.skipif(os.environ.get("TIERSERVE_SPARSE_BENCH") != "1",
-                    reason="a timing: TIERSERVE_SPARSE_BENCH=1 runs it")
-def test_print_sparse_against_dense_decode_time():
-    """Context 8192, block 16, topk n/8, SmolLM2's heads, fp32: each call reads another of
-    several layers' caches (about 200 MB in all), so each finds its blocks cold, as in a model."""
-    h, hkv, d, bs, ctx = 9, 3, 64, 16, 8192
-    n = ctx // bs
-    topk = n // 8
-    print(f"\ncontext {ctx}, block {bs}, topk {topk} of {n}, H={h} Hkv={hkv} D={d} fp32")
-    print(f"{'B':>3} {'threads':>7} {'dense ms':>9} {'sparse ms':>9} {'speedup':>7} "
-          f"{'select us/head':>14}")
-    for b in (1, 8):
-        layers = max(2, 16 // b)
-        batches = [random_batch([ctx] * b, (h, hkv, d), bs, torch.float32, seed=l) for l in range(layers)]
-        for threads in (torch.get_num_threads(), 1):
-            old = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            it = iter(range(1 << 30))
-
-            def dense():
-                q, kv, _, tables, lens = batches[next(it) % layers]
-                ext.paged_decode(q, kv, tables, lens, bs, d ** -0.5)
-
-            stats = torch.zeros(2, dtype=torch.float64)
-            selected = torch.empty(b, hkv, topk, dtype=torch.int32)
-
-            def sparse_call():
-                q, kv, summary, tables, lens = batches[next(it) % layers]
-                ext.sparse_paged_decode(q, kv, summary, tables, lens, bs, d ** -0.5, topk,
-                                        selected, stats)
-
-            try:
-                reps = 4 * layers
-                t_dense = _median_ms(dense, reps)
-                t_sparse = _median_ms(sparse_call, reps)
-            finally:
-                torch.set_num_threads(old)
-            select_us = stats[1].item() / 1e3 / (reps * b * hkv)
-            print(f"{b:>3} {threads:>7} {t_dense:>9.3f} {t_sparse:>9.3f} "
-                  f"{t_dense / t_sparse:>6.1f}x {select_us:>14.1f}")

@@ -77,7 +77,7 @@ def _complete(cfg: ServerConfig, key: str, prompt, salt: str | None = None, load
 
 def _tier_keys(cfg: ServerConfig, engine) -> dict[str, set[str]]:
     """What the cpu and disk tiers hold, read from the tiers themselves."""
-    manager = engine.engine.tier_io.manager
+    manager = engine.engine.kv_worker.manager
     assert manager.flush(60)
     disk = {p.name.split(".")[0] for p in Path(cfg.disk_tier_dir).rglob("*.safetensors")}
     return {"cpu": {k.hex() for k in manager.tiers["cpu"].keys()}, "disk": disk}
@@ -147,7 +147,7 @@ def test_kv_events_are_the_operators_and_carry_no_token_ids(tenants):
     base = f"http://127.0.0.1:{cfg.port}"
     prompt = list(range(5000, 5040))  # 2 full blocks, token ids easy to look for
     _complete(cfg, KEY_A, prompt)
-    engine.engine.tier_io.manager.flush(60)
+    engine.engine.kv_worker.manager.flush(60)
     url = base + "/v1/kv/events?since=0"
     for key in (KEY_A, KEY_B):
         r = httpx.get(url, headers=auth(key), timeout=10)
@@ -156,7 +156,7 @@ def test_kv_events_are_the_operators_and_carry_no_token_ids(tenants):
     r = httpx.get(url, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
-    last = engine.engine.tier_io.manager.events.last_seq
+    last = engine.engine.kv_worker.manager.events.last_seq
     events = read_events(url, auth(ADMIN), lambda evs: evs[-1]["seq"] >= last)
     stored = [e for e in events if e["type"] == "BlockStored"]
     assert stored and all(e["token_ids"] == [] and e["block_hashes"] for e in stored)

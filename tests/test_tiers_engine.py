@@ -51,7 +51,7 @@ def _tier_config(tier: str, tmp_path, request) -> TierConfig:
 def _warm_then_from_tier(llm: LLM, prompt: list[int]):
     """Run once (the blocks go to the tiers), forget the device cache, run again."""
     first = llm.generate([prompt], GREEDY)[0]
-    assert llm.engine.tier_io.manager.flush(30)
+    assert llm.engine.kv_worker.manager.flush(30)
     llm.engine.pool.reset_prefix_cache()
     return first, llm.generate([prompt], GREEDY)[0]
 
@@ -61,7 +61,7 @@ def test_prefix_only_in_one_tier_gives_cold_tokens(tier, tmp_path, request, long
     llm = _llm(_tier_config(tier, tmp_path, request))
     try:
         first, again = _warm_then_from_tier(llm, long_prompt)
-        stats = llm.engine.tier_io.manager.stats()[tier]
+        stats = llm.engine.kv_worker.manager.stats()[tier]
     finally:
         llm.engine.close()
     assert first.outputs[0].token_ids == cold and first.num_cached_tokens == 0
@@ -78,9 +78,9 @@ def test_a_slow_load_stalls_no_running_request(long_prompt, cold):
     eng = llm.engine
     try:
         llm.generate([long_prompt], GREEDY)
-        assert eng.tier_io.manager.flush(30)
+        assert eng.kv_worker.manager.flush(30)
         eng.pool.reset_prefix_cache()
-        eng.tier_io.manager.tiers["cpu"].delay_s = 0.02  # per block: ~0.3 s for 62 blocks
+        eng.kv_worker.manager.tiers["cpu"].delay_s = 0.02  # per block: ~0.3 s for 62 blocks
         eng.add_request("runner", "Count to one hundred:", SamplingParams(
             temperature=0, max_tokens=2000, ignore_eos=True))
         eng.step()
@@ -112,7 +112,7 @@ def test_s3_down_at_start_then_up_hanging_and_killed(weed, s3_creds, long_prompt
         first, again = _warm_then_from_tier(llm, long_prompt)
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == cold
         assert again.num_cached_tokens == 0
-        s3 = llm.engine.tier_io.manager.tiers["s3"]
+        s3 = llm.engine.kv_worker.manager.tiers["s3"]
         assert s3.breaker_state == "open"
     finally:
         llm.engine.close()
@@ -126,13 +126,13 @@ def test_s3_down_at_start_then_up_hanging_and_killed(weed, s3_creds, long_prompt
         llm.engine.pool.reset_prefix_cache()
         down = llm.generate([long_prompt], GREEDY)[0]
         assert down.outputs[0].token_ids == cold and down.num_cached_tokens == 0
-        assert llm.engine.tier_io.manager.tiers["s3"].breaker_state == "open"
+        assert llm.engine.kv_worker.manager.tiers["s3"].breaker_state == "open"
         weed.start()
         time.sleep(1.5)  # past the breaker's back-off: the next lookup is its probe
         llm.engine.pool.reset_prefix_cache()
         back = llm.generate([long_prompt], GREEDY)[0]
         assert back.outputs[0].token_ids == cold and back.num_cached_tokens == HIT_TOKENS
-        assert llm.engine.tier_io.manager.tiers["s3"].breaker_state == "closed"
+        assert llm.engine.kv_worker.manager.tiers["s3"].breaker_state == "closed"
     finally:
         llm.engine.close()
         if weed.proc is None or weed.proc.poll() is not None:
@@ -156,7 +156,7 @@ def test_corrupt_and_truncated_disk_blocks_are_misses_and_removed(tmp_path, long
     llm = _llm(TierConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), disk_bytes=256 << 20))
     try:
         llm.generate([long_prompt], GREEDY)
-        assert llm.engine.tier_io.manager.flush(30)
+        assert llm.engine.kv_worker.manager.flush(30)
         by_key = {f.name.split(".")[0]: f for f in (tmp_path / "kv").rglob("*.safetensors")}
         ordered = _prompt_block_files(llm, long_prompt, by_key)
         assert len(ordered) == PROMPT_LEN // 16
@@ -167,8 +167,8 @@ def test_corrupt_and_truncated_disk_blocks_are_misses_and_removed(tmp_path, long
         ordered[20].write_bytes(ordered[20].read_bytes()[:1000])
         llm.engine.pool.reset_prefix_cache()
         out = llm.generate([long_prompt], GREEDY)[0]
-        assert llm.engine.tier_io.manager.flush(30)
-        errors = llm.engine.tier_io.manager.stats()["disk"].errors
+        assert llm.engine.kv_worker.manager.flush(30)
+        errors = llm.engine.kv_worker.manager.stats()["disk"].errors
         llm.engine.pool.reset_prefix_cache()
         healed = llm.generate([long_prompt], GREEDY)[0]
     finally:
@@ -203,14 +203,14 @@ def test_blocks_the_device_evicts_are_demoted_to_cpu(corpus_ids):
     try:
         a, b = corpus_ids[:500], corpus_ids[1000:2200]
         llm.generate([a], GREEDY)
-        assert eng.tier_io.manager.flush(30)
-        cpu = eng.tier_io.manager.tiers["cpu"]
+        assert eng.kv_worker.manager.flush(30)
+        cpu = eng.kv_worker.manager.tiers["cpu"]
         for key in cpu.keys():
             cpu.remove(key)
         a_keys = {b.hash for b in eng.pool.blocks if b.hash is not None}
         assert len(a_keys) == 500 // 16 and eng.pool.num_blocks < 500 // 16 + 1200 // 16
         llm.generate([b], GREEDY)  # needs more blocks than are free: A's cached ones go
-        assert eng.tier_io.manager.flush(30)
+        assert eng.kv_worker.manager.flush(30)
         evicted = a_keys - {b.hash for b in eng.pool.blocks if b.hash is not None}
         held = set(cpu.keys())
     finally:
@@ -227,26 +227,26 @@ def test_blocks_loaded_from_s3_are_promoted_to_disk(weed, s3_creds, tmp_path, lo
                        s3_bucket=BUCKET, s3_endpoint_url=weed.endpoint_url, s3_region="us-east-1",
                        s3_prefix=f"t-{uuid.uuid4().hex[:8]}")
     llm = _llm(tiers)
-    io = llm.engine.tier_io
-    disk = io.manager.tiers["disk"]
+    manager, counters = llm.engine.kv_worker.manager, llm.engine.kv.counters
+    disk = manager.tiers["disk"]
 
     def again(**kw):
-        assert io.manager.flush(30)
+        assert manager.flush(30)
         llm.engine.pool.reset_prefix_cache()
         return llm.generate([long_prompt], GREEDY, **kw)[0]
     try:
         outs = [llm.generate([long_prompt], GREEDY)[0]]
-        assert io.manager.flush(30) and len(disk.keys()) >= hit
-        io.manager.clear(("disk",))
+        assert manager.flush(30) and len(disk.keys()) >= hit
+        manager.clear(("disk",))
         outs.append(again())  # from s3, promoted to disk
-        s3_loaded = io.manager.stats()["s3"].loaded_blocks
-        assert io.manager.flush(30)
-        promoted, on_disk = io.counters.promoted, len(disk.keys())
+        s3_loaded = manager.stats()["s3"].loaded_blocks
+        assert manager.flush(30)
+        promoted, on_disk = counters.promoted, len(disk.keys())
         outs.append(again())  # from disk
-        stats = io.manager.stats()
-        io.manager.clear(("disk",))
+        stats = manager.stats()
+        manager.clear(("disk",))
         outs.append(again(kv_hints=KVHints(store_tiers=("s3",))))  # from s3, no promotion
-        assert io.manager.flush(30)
+        assert manager.flush(30)
         after_no_store = len(disk.keys())
     finally:
         llm.engine.close()
@@ -254,7 +254,7 @@ def test_blocks_loaded_from_s3_are_promoted_to_disk(weed, s3_creds, tmp_path, lo
     assert [o.num_cached_tokens for o in outs] == [0, HIT_TOKENS, HIT_TOKENS, HIT_TOKENS]
     assert s3_loaded == hit and promoted == hit <= on_disk  # + the newly full blocks it computed
     assert stats["disk"].loaded_blocks == hit and stats["s3"].loaded_blocks == s3_loaded
-    assert after_no_store == 0 and io.counters.promoted == hit
+    assert after_no_store == 0 and counters.promoted == hit
 
 
 def test_a_full_then_read_only_disk_tier_never_costs_a_token(tmp_path, long_prompt, cold):
@@ -271,7 +271,7 @@ def test_a_full_then_read_only_disk_tier_never_costs_a_token(tmp_path, long_prom
             pytest.skip("this box cannot mount a tmpfs")
         llm = _llm(TierConfig(tiers=("disk",), disk_dir=str(root), disk_bytes=1 << 30,
                               disk_error_backoff_s=0.2))
-        disk = llm.engine.tier_io.manager.tiers["disk"]
+        disk = llm.engine.kv_worker.manager.tiers["disk"]
         try:
             first, again = _warm_then_from_tier(llm, long_prompt)
             full_errors = disk.stats().errors.get("no_space", 0)
@@ -280,7 +280,7 @@ def test_a_full_then_read_only_disk_tier_never_costs_a_token(tmp_path, long_prom
             time.sleep(0.3)  # past the back-off: the next store is tried, and fails
             llm.engine.pool.reset_prefix_cache()
             ro = llm.generate([long_prompt[:500] + long_prompt[600:]], GREEDY)[0]
-            assert llm.engine.tier_io.manager.flush(30)
+            assert llm.engine.kv_worker.manager.flush(30)
             llm.engine.pool.reset_prefix_cache()
             after = llm.generate([long_prompt], GREEDY)[0]
             errors = disk.stats().errors

@@ -55,6 +55,9 @@ class TierConfig:
     """Threads that read payloads for start_load, shared by all tiers."""
     event_log_size: int = 10000
     """KV events (stored, removed, cleared) kept for GET /v1/kv/events readers that fall behind."""
+    load_timeout_s: float = 30.0
+    """A load's payload reads that run past this (or past the request's TTFT budget, if
+    sooner) are abandoned: what arrived is kept, the rest of the prompt recomputed."""
     event_token_ids: bool = False
     """BlockStored events carry the blocks' token ids (vLLM's field). Off: hashes only, so an
     event reader learns no prompt text."""
@@ -74,6 +77,8 @@ class TierConfig:
                       "event_log_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be at least 1, got {getattr(self, field)}")
+        if not self.load_timeout_s > 0:
+            raise ValueError(f"load_timeout_s: must be above 0, got {self.load_timeout_s}")
 
 
 def default_cpu_bytes() -> int:
