@@ -53,6 +53,16 @@ class ChildRequest:
 
 
 @dataclass(frozen=True)
+class HistogramSnapshot:
+    """A histogram at one moment: counts per bucket (the last one above every bound), and the sum
+    of what was observed."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    total: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state published by the loop thread after each step (read by /metrics, admission)."""
 
@@ -67,10 +77,12 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     num_preemptions: int = 0
-    iteration_tokens: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
-    """Tokens per step as (bucket bounds, counts per bucket, sum)."""
-    table_width: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
-    metadata_bytes: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
+    iteration_tokens: HistogramSnapshot = HistogramSnapshot()
+    """Tokens per step."""
+    table_width: HistogramSnapshot = HistogramSnapshot()
+    """Block-table width per step, in blocks."""
+    metadata_bytes: HistogramSnapshot = HistogramSnapshot()
+    """Bytes of metadata views per step."""
     metadata_seconds: float = 0.0
     sparse: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
     """Sparse decode: steps, blocks attended, blocks dense would read, selection seconds."""
@@ -368,8 +380,8 @@ class AsyncEngine:
                                         sp.selection_seconds), e.num_tracked)
 
 
-def _hist(b) -> tuple[tuple[float, ...], tuple[int, ...], float]:
-    return b.bounds, tuple(b.counts), b.total
+def _hist(b) -> HistogramSnapshot:
+    return HistogramSnapshot(b.bounds, tuple(b.counts), b.total)
 
 
 def _put_all(stream: GroupStream, items: list) -> None:

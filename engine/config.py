@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -88,6 +90,15 @@ class CacheConfig:
     """Reuse full blocks whose chained hash matches."""
 
 
+class SchedulingPolicy(str, enum.Enum):
+    """Which waiting request is admitted first (and which running one is preempted last)."""
+
+    FCFS = "fcfs"
+    """SLO class first (interactive, none, batch), then arrival."""
+    PRIORITY = "priority"
+    """The request's priority first (lower runs first), then SLO class, then arrival."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
@@ -98,10 +109,17 @@ class SchedulerConfig:
     """Requests running at once."""
     max_model_len: int = 8192
     """Longest prompt plus output a request may reach."""
-    policy: str = "fcfs"
-    """'fcfs' or 'priority' (lower priority value runs first, then arrival)."""
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    """fcfs or priority (a name is accepted: "priority")."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill chunk per step (0: the whole budget)."""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        except ValueError:
+            raise ValueError(f"policy: {self.policy!r} is not one of "
+                             f"{', '.join(p.value for p in SchedulingPolicy)}") from None
 
 
 @dataclass(frozen=True)

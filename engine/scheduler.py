@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 from tierserve.engine.block_hash import BlockHash, extend_hashes
 from tierserve.engine.block_pool import BlockPool
-from tierserve.engine.config import SchedulerConfig
+from tierserve.engine.config import SchedulerConfig, SchedulingPolicy
 from tierserve.engine.kv_hints import SloClass
 from tierserve.engine.request import Request, RequestId, RequestStatus
 
@@ -124,7 +124,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestId] = []
-        if self.config.policy == "priority":
+        if self.config.policy is SchedulingPolicy.PRIORITY:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:
@@ -170,7 +170,7 @@ class Scheduler:
         ready = [r for r in self.waiting if r.status is not RequestStatus.LOADING]
         if not ready:
             return None
-        if self.config.policy == "priority":  # the request's priority wins over its SLO class
+        if self.config.policy is SchedulingPolicy.PRIORITY:  # priority wins over the SLO class
             return min(ready, key=lambda r: (r.priority, _class_rank(r), r.arrival_time))
         return min(ready, key=lambda r: (_class_rank(r), r.arrival_time))
 

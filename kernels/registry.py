@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-
+from tierserve._lazy import lazy_class
 from tierserve.kernels.base import AttentionBackend
 
 BACKENDS: dict[str, str] = {
@@ -16,10 +15,7 @@ BACKENDS: dict[str, str] = {
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (valid: {', '.join(BACKENDS)})")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return lazy_class(BACKENDS, name, "attention backend")
 
 
 def create_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -30,11 +30,11 @@ TIERSERVE_API_KEY)."""
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """One --flag per ServerConfig field; a flag left out keeps the YAML (or default) value."""
-    hints = typing.get_type_hints(ServerConfig)
+    hints, docs = typing.get_type_hints(ServerConfig), _field_docs()
     for name, f in FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = hints[name]
-        doc = _field_doc(name)
+        doc = docs.get(name, "")
         if bool in (kind, *typing.get_args(kind)):  # bool, or bool | None (unset: a default)
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
@@ -47,18 +47,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=conv, default=None, help=f"{doc} (default: {f.default})")
 
 
-def _field_doc(name: str) -> str:
-    import ast
-    import inspect
-    src = inspect.getsource(ServerConfig)
-    tree = ast.parse(src).body[0]
-    body = tree.body
-    for i, node in enumerate(body):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
-            nxt = body[i + 1] if i + 1 < len(body) else None
-            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                return str(nxt.value.value).replace("%", "%%")
-    return ""
+def _field_docs() -> dict[str, str]:
+    from tierserve.server.config_reference import field_docs
+    return {k: v.replace("%", "%%") for k, v in field_docs(ServerConfig).items()}
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:

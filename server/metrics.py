@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
-from tierserve.engine.async_engine import EngineSnapshot
+from tierserve.engine.async_engine import EngineSnapshot, HistogramSnapshot
 from tierserve.engine.info import EngineInfo
 from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
 from tierserve.engine.outputs import RequestOutput
@@ -50,12 +50,12 @@ class _SnapshotCollector:
         yield _counter("vllm:num_preemptions", "Preemptions of running requests.",
                        s.num_preemptions, lbl)
         yield _histogram("vllm:iteration_tokens_total", "Tokens run per engine step.",
-                         *s.iteration_tokens, lbl)
+                         s.iteration_tokens, lbl)
         yield _histogram("tierserve:block_table_width", "Block-table width per step, in blocks "
                          "(a power of two: the width rule of engine/batch_buffers.py).",
-                         *s.table_width, lbl)
+                         s.table_width, lbl)
         yield _histogram("tierserve:step_metadata_bytes", "Bytes of metadata views per step.",
-                         *s.metadata_bytes, lbl)
+                         s.metadata_bytes, lbl)
         yield _counter("tierserve:step_metadata_seconds", "Time building step inputs and "
                        "attention metadata.", s.metadata_seconds, lbl)
         steps, attended, total, select_s = s.sparse
@@ -75,12 +75,12 @@ def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricF
     return g
 
 
-def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: tuple[int, ...],
-               total: float, labels: list[str]) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, hist: HistogramSnapshot,
+               labels: list[str]) -> HistogramMetricFamily:
     h = HistogramMetricFamily(name, doc, labels=["model_name"])
-    cumulative = list(itertools.accumulate(counts)) or [0]
-    buckets = [(str(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
-    h.add_metric(labels, buckets, total)
+    cumulative = list(itertools.accumulate(hist.counts)) or [0]
+    buckets = [(str(b), c) for b, c in zip(hist.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    h.add_metric(labels, buckets, hist.total)
     return h
 
 

@@ -134,16 +134,16 @@ def test_route_cli_json(capsys):
 
 def test_backends_endpoint():
     from tierserve.engine.device import DeviceChoice, DtypeChoice
+    from tierserve.engine.info import EngineInfo, SparseStatus
     from tierserve.server.routes import backends
     routes = route_phases(q("cpu", None, F32, 64, 9, 3, "fp8_e4m3"))
-    from tierserve.engine.config import EngineConfig, SparseConfig
-    from tierserve.kernels.torch_sdpa import TorchSdpaBackend
-    runner = SimpleNamespace(backend=TorchSdpaBackend, routes=routes, kv_dtype=torch.float8_e4m3fn)
+    info = EngineInfo(model="m", max_model_len=2048, device=DeviceChoice("cpu", "auto: no GPU"),
+                      dtype=DtypeChoice("float32", "auto: float32 on the CPU"),
+                      kv_cache_dtype="float8_e4m3fn", backend="torch_sdpa", routes=routes,
+                      sparse=SparseStatus(True, False, None, 0.25, 1024, 2), tiers=(),
+                      events=None, tier_stats=None, policy_counters=None)
     app = FastAPI()
-    engine = SimpleNamespace(runner=runner, device_choice=DeviceChoice("cpu", "auto: no GPU"),
-                             dtype_choice=DtypeChoice("float32", "auto: float32 on the CPU"),
-                             config=EngineConfig(sparse=SparseConfig(topk_ratio=0.25)))
-    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(engine=engine))
+    app.state.ctx = SimpleNamespace(engine=SimpleNamespace(info=info))
     app.include_router(backends.router)
     body = TestClient(app).get("/v1/backends").json()
     assert (body["device"], body["device_reason"]) == ("cpu", "auto: no GPU")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tierserve._lazy import lazy_class
 
 if TYPE_CHECKING:
     from tierserve.engine.kv_tiers.base import KVTier
@@ -18,10 +19,7 @@ TIERS: dict[str, str] = {
 
 
 def tier_class(name: str) -> type[KVTier]:
-    if name not in TIERS:
-        raise ValueError(f"unknown KV tier {name!r} (valid: {', '.join(TIERS)})")
-    module, cls = TIERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return lazy_class(TIERS, name, "KV tier")
 
 
 def create_tier(name: str, config: TierConfig, layout: BlockLayout) -> KVTier:
