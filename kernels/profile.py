@@ -8,17 +8,17 @@ File format (JSON):
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from tierserve.paths import cache_dir
 
 VERSION = 1
 
 
 def default_profile_path() -> Path:
-    root = os.path.expanduser(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve"))
-    return Path(root) / "backend_profile.json"
+    return Path(cache_dir("backend_profile.json"))
 
 
 def shape_key(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype,
