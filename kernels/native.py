@@ -52,20 +52,33 @@ def _tag() -> str:
 @contextlib.contextmanager
 def _build_guard(build_dir: str):
     """One tierserve process builds or loads the extension at a time, under an flock the OS
-    releases when its holder dies. torch's own build lock (a `lock` file that waiters poll until
-    it disappears) stays behind when a build is killed, and every later start would wait on it
-    forever; holding the flock, any such file is stale and is removed."""
-    with open(os.path.join(build_dir, "tierserve.flock"), "w") as guard:
+    releases when its holder dies, so a killed build never leaves a lock that is waited on. The
+    holder writes its pid into the flock file: a waiter names the process it waits for. torch's
+    own build lock (a `lock` file that waiters poll until it disappears) does stay behind when a
+    build is killed, and every later start would wait on it forever; holding the flock, any such
+    file is stale and is removed."""
+    # "a+": opening must not truncate the file, which holds the current holder's pid
+    with open(os.path.join(build_dir, "tierserve.flock"), "a+") as guard:
         try:
             fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another process building the native CPU kernels in %s", build_dir)
+            log.info("waiting for process %s, which builds or loads the native CPU kernels in %s",
+                     _holder(guard), build_dir)
             fcntl.flock(guard, fcntl.LOCK_EX)
+        guard.truncate(0)
+        guard.write(f"{os.getpid()}\n")
+        guard.flush()
         baton = os.path.join(build_dir, "lock")
         if os.path.exists(baton):
             log.warning("removing a stale build lock %s (a build that was killed left it)", baton)
             os.remove(baton)
         yield
+
+
+def _holder(guard) -> str:
+    """The pid the flock's holder wrote ("unknown" before it has written it)."""
+    guard.seek(0)
+    return guard.read().strip() or "unknown"
 
 
 @functools.cache

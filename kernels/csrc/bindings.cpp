@@ -4,6 +4,42 @@
 #include "ops.h"
 #include "thread_pool.h"
 
+namespace {
+
+// The Python signature of the decode stack: DecodeStackArgs' fields in order, the sparse ones
+// last (decode_forward_sparse's callers pass them; decode_forward's leave them out).
+at::Tensor decode_forward_py(at::Tensor x, at::Tensor residual, at::Tensor positions,
+                             at::Tensor slots, std::vector<at::Tensor> weights,
+                             at::Tensor final_norm, std::vector<at::Tensor> kv_caches,
+                             at::Tensor cos, at::Tensor sin_signed, at::Tensor block_tables,
+                             at::Tensor context_lens, int64_t block_size, double scale, double eps,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t team,
+                             std::vector<at::Tensor> summaries, c10::optional<at::Tensor> topk,
+                             int64_t dense_layers, c10::optional<at::Tensor> selected,
+                             c10::optional<at::Tensor> stats) {
+  return decode_forward(DecodeStackArgs{
+      std::move(x), std::move(residual), std::move(positions), std::move(slots),
+      std::move(weights), std::move(final_norm), std::move(kv_caches), std::move(cos),
+      std::move(sin_signed), std::move(block_tables), std::move(context_lens), block_size, scale,
+      eps, num_heads, num_kv_heads, team, std::move(summaries), topk.value_or(at::Tensor()),
+      dense_layers, std::move(selected), std::move(stats)});
+}
+
+// Both names take the same arguments (positional, as the model passes them). The GIL is released
+// once they are converted: the team runs for the whole step.
+void def_decode_stack(py::module_& m, const char* name, const char* doc) {
+  m.def(name, &decode_forward_py, doc, py::arg("x"), py::arg("residual"), py::arg("positions"),
+        py::arg("slots"), py::arg("weights"), py::arg("final_norm"), py::arg("kv_caches"),
+        py::arg("cos"), py::arg("sin_signed"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("eps"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("team"),
+        py::arg("summaries") = std::vector<at::Tensor>(), py::arg("topk") = py::none(),
+        py::arg("dense_layers") = 0, py::arg("selected") = py::none(),
+        py::arg("stats") = py::none(), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
   m.def("paged_prefill_supported", &paged_prefill_supported, "head dim and block size fit");
@@ -17,10 +53,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_spin_us", &ts::set_spin_us, "how long idle workers stay awake between loops");
   m.def("spin_us", &ts::spin_us, "the current worker spin time");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
-  m.def("decode_forward", &decode_forward, "the decoder layers for a decode-only step, by a "
-        "team of threads", py::call_guard<py::gil_scoped_release>());
-  m.def("decode_forward_sparse", &decode_forward_sparse, "decode_forward with sparse layers from "
-        "dense_layers on", py::call_guard<py::gil_scoped_release>());
+  def_decode_stack(m, "decode_forward", "the decoder layers for a decode-only step, by a team "
+                   "of threads");
+  def_decode_stack(m, "decode_forward_sparse", "decode_forward with sparse layers from "
+                   "dense_layers on");
   m.def("sparse_paged_decode", &sparse_paged_decode, "top-k block (Quest) paged decode attention",
         py::arg("q"), py::arg("kv_cache"), py::arg("summary"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("topk"),

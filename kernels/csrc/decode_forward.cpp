@@ -5,8 +5,12 @@
 // element-wise ops for its rows, calling the same kernels as the layer-by-layer path (which run
 // inline inside a worker, thread_pool.h); a barrier separates steps that read what another thread
 // wrote. Every output is computed by the same code in the same order as layer by layer, so the
-// result is bit-identical to it. Sparse layers (decode_forward_sparse) call sparse_paged_decode
-// for their rows in place of paged_decode, each member counting into stats of its own.
+// result is bit-identical to it. Sparse layers (DecodeStackArgs.summaries, from dense_layers on)
+// call sparse_paged_decode for their rows in place of paged_decode, each member counting into
+// stats of its own.
+//
+// Stack is one call's set-up (the shared activations, who takes which rows); Member::layer is one
+// member's step through a layer (Member::attend its attention); decode_forward runs the team.
 //
 // Why: a layer-by-layer step hands work to the threads ~150 times, with Python between, and each
 // hand-off to a sleeping worker costs tens to hundreds of microseconds; here the team is woken
@@ -71,122 +75,162 @@ inline at::Tensor rows(const at::Tensor& t, int64_t first, int64_t n) {
   return t.narrow(0, first, n);
 }
 
-}  // namespace
-
-at::Tensor decode_forward_sparse(at::Tensor x, at::Tensor residual,
-                                    at::Tensor positions, at::Tensor slots,
-                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
-                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
-                                    at::Tensor sin_signed, at::Tensor block_tables,
-                                    at::Tensor context_lens, int64_t block_size, double scale,
-                                    double eps, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t team, std::vector<at::Tensor> summaries,
-                                    at::Tensor topk, int64_t dense_layers,
-                                    c10::optional<at::Tensor> selected,
-                                    c10::optional<at::Tensor> stats) {
-  const int64_t layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
+void check_args(const DecodeStackArgs& a) {
+  const int64_t layers = static_cast<int64_t>(a.kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(a.weights.size()) == layers * kPerLayer,
               "weights: 7 tensors per layer");
-  const bool sparse = !summaries.empty();
-  TORCH_CHECK(!sparse || (static_cast<int64_t>(summaries.size()) == layers &&
-                          selected.has_value() && stats.has_value()),
-              "sparse layers: one summary per layer, a selected scratch and stats");
+  TORCH_CHECK(a.summaries.empty() ||
+                  (static_cast<int64_t>(a.summaries.size()) == layers && a.topk.defined() &&
+                   a.selected.has_value() && a.stats.has_value()),
+              "sparse layers: one summary per layer, topk, a selected scratch and stats");
+  const at::Tensor &x = a.x, &residual = a.residual;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && residual.is_contiguous() &&
                   x.sizes() == residual.sizes(),
               "x and residual: contiguous fp32 [B, hidden]");
-  const int64_t B = x.size(0), hidden = x.size(1), D = cos.size(1);
-  const int64_t qkv_n = (num_heads + 2 * num_kv_heads) * D, q_n = num_heads * D;
-  TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && context_lens.size(0) == B &&
-                  block_tables.size(0) == B,
+  const int64_t B = x.size(0);
+  TORCH_CHECK(a.positions.size(0) == B && a.slots.size(0) == B && a.context_lens.size(0) == B &&
+                  a.block_tables.size(0) == B,
               "one position, slot, context and block table per row");
-  TORCH_CHECK(positions.is_contiguous() && slots.is_contiguous() && context_lens.is_contiguous() &&
-                  block_tables.is_contiguous(),
+  TORCH_CHECK(a.positions.is_contiguous() && a.slots.is_contiguous() &&
+                  a.context_lens.is_contiguous() && a.block_tables.is_contiguous(),
               "contiguous positions, slots, context lengths and block tables");
-  for (const at::Tensor& c : kv_caches)
+  for (const at::Tensor& c : a.kv_caches)
     TORCH_CHECK(kv_dtype_supported(c) && c.is_contiguous(), "contiguous fp32 or fp16 KV caches");
-  team = std::max<int64_t>(1, team);
-  const int64_t inter = weights[6].size(1);  // down's panels: [hidden / 16, inter, 16]
-  // qkv biases, whole panels long (Linear.pack pads them, so this copies nothing)
-  std::vector<at::Tensor> bias(layers);
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor& b = weights[l * kPerLayer + 2];
-    if (b.defined() && b.numel() > 0) bias[l] = panel_bias(b, weights[l * kPerLayer + 1].size(0));
-  }
-  const auto opts = x.options();
-  // x holds each layer's normed input: layer 0's from the caller, later ones the down
-  // projection's output normed in place.
-  at::Tensor qkv = at::empty({B, qkv_n}, opts), attn = at::empty({B, q_n}, opts);
-  at::Tensor o = at::empty({B, hidden}, opts), gate_up = at::empty({B, 2 * inter}, opts);
-  at::Tensor act = at::empty({B, inter}, opts);
-  std::vector<int64_t> cost(B);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B; ++i) cost[i] = lens[i] + 1;
-  std::vector<int64_t> acut = balanced_cuts(cost, team);
-  acut.resize(team + 1, B);
-  SpinBarrier barrier(static_cast<int>(team));
-  // each member's sparse stats, summed into `stats` once the team is done
-  std::vector<at::Tensor> member_stats;
-  if (sparse)
-    for (int64_t i = 0; i < team; ++i) member_stats.push_back(at::zeros({2}, stats->options()));
+}
 
-  auto member = [&](int64_t tid, int64_t nt) {
+// What the team shares for one call: the step's activations (every row; each member writes its
+// share), each layer's qkv bias and each member's attention rows.
+struct Stack {
+  explicit Stack(const DecodeStackArgs& args);
+
+  const DecodeStackArgs& a;
+  const int64_t layers, team, B, hidden, D, qkv_n, q_n, inter;
+  const bool sparse;
+  std::vector<at::Tensor> bias;  // qkv biases, whole panels long (or undefined)
+  // x (in DecodeStackArgs) holds each layer's normed input: layer 0's from the caller, later ones
+  // the down projection's output normed in place.
+  at::Tensor qkv, attn, o, gate_up, act;
+  std::vector<int64_t> acut;  // member i attends rows [acut[i], acut[i + 1]): about equal context
+  SpinBarrier barrier;
+  std::vector<at::Tensor> member_stats;  // each member's sparse stats, summed once it is done
+};
+
+Stack::Stack(const DecodeStackArgs& args)
+    : a(args),
+      layers(static_cast<int64_t>(a.kv_caches.size())),
+      team(std::max<int64_t>(1, a.team)),
+      B(a.x.size(0)),
+      hidden(a.x.size(1)),
+      D(a.cos.size(1)),
+      qkv_n((a.num_heads + 2 * a.num_kv_heads) * D),
+      q_n(a.num_heads * D),
+      inter(a.weights[6].size(1)),  // down's panels: [hidden / 16, inter, 16]
+      sparse(!a.summaries.empty()),
+      bias(layers),
+      barrier(static_cast<int>(team)) {
+  for (int64_t l = 0; l < layers; ++l) {  // Linear.pack pads them, so this copies nothing
+    const at::Tensor& b = a.weights[l * kPerLayer + 2];
+    if (b.defined() && b.numel() > 0) bias[l] = panel_bias(b, a.weights[l * kPerLayer + 1].size(0));
+  }
+  const auto opts = a.x.options();
+  qkv = at::empty({B, qkv_n}, opts), attn = at::empty({B, q_n}, opts);
+  o = at::empty({B, hidden}, opts), gate_up = at::empty({B, 2 * inter}, opts);
+  act = at::empty({B, inter}, opts);
+  std::vector<int64_t> cost(B);
+  const int64_t* lens = a.context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B; ++i) cost[i] = lens[i] + 1;
+  acut = balanced_cuts(cost, team);
+  acut.resize(team + 1, B);
+  if (sparse)
+    for (int64_t i = 0; i < team; ++i) member_stats.push_back(at::zeros({2}, a.stats->options()));
+}
+
+// Member `tid` of `nt` (nt is 1 for a thread that runs the whole stack alone): its rows of the
+// element-wise ops, its run of sequences for attention, its share of every GEMM's panels.
+class Member {
+ public:
+  Member(Stack& s, int64_t tid, int64_t nt)
+      : s_(s), a_(s.a), tid_(tid), nt_(nt),
+        r0_(s.B * tid / nt), rn_(s.B * (tid + 1) / nt - r0_),
+        a0_(nt == 1 ? 0 : s.acut[tid]), an_(nt == 1 ? s.B : s.acut[tid + 1] - s.acut[tid]) {}
+
+  void run() {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
-    const int64_t r0 = B * tid / nt, rn = B * (tid + 1) / nt - r0;  // element-wise rows
-    const int64_t a0 = nt == 1 ? 0 : acut[tid], an = nt == 1 ? B : acut[tid + 1] - acut[tid];
-    auto sync = [&] {
-      if (nt > 1) barrier.wait();
-    };
-    auto gemm = [&](const at::Tensor& in, const at::Tensor& panels, int64_t N,
-                    const at::Tensor& b, at::Tensor& out) {
-      const int64_t NP = panels.size(0);
-      linear_panels(in.data_ptr<float>(), in.size(1), B, in.size(1), panels.data_ptr<float>(), N,
-                    b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                    NP * tid / nt, NP * (tid + 1) / nt);
-    };
-    for (int64_t l = 0; l < layers; ++l) {
-      const at::Tensor* w = weights.data() + l * kPerLayer;
-      if (l > 0) {
-        if (rn > 0) add_rms_norm_(rows(x, r0, rn), rows(residual, r0, rn), w[0], eps);
-        sync();
-      }
-      gemm(x, w[1], qkv_n, bias[l], qkv);
-      sync();
-      if (an > 0) {
-        at::Tensor mine = rows(qkv, a0, an);
-        rope_store_kv_(mine, rows(positions, a0, an), cos, sin_signed, kv_caches[l],
-                       rows(slots, a0, an), num_heads, num_kv_heads);
-        const at::Tensor q =
-            mine.view({an, num_heads + 2 * num_kv_heads, D}).narrow(1, 0, num_heads);
-        const at::Tensor out =
-            sparse && l >= dense_layers
-                ? sparse_paged_decode(q, kv_caches[l], summaries[l], rows(block_tables, a0, an),
-                                      rows(context_lens, a0, an), block_size, scale,
-                                      rows(topk, a0, an), rows(*selected, a0, an),
-                                      member_stats[tid])
-                : paged_decode(q, kv_caches[l], rows(block_tables, a0, an),
-                               rows(context_lens, a0, an), block_size, scale);
-        std::memcpy(attn.data_ptr<float>() + a0 * q_n, out.data_ptr<float>(),
-                    an * q_n * sizeof(float));
-      }
-      sync();
-      gemm(attn, w[3], hidden, at::Tensor(), o);
-      sync();
-      if (rn > 0) add_rms_norm_(rows(o, r0, rn), rows(residual, r0, rn), w[4], eps);
-      sync();
-      gemm(o, w[5], 2 * inter, at::Tensor(), gate_up);
-      sync();
-      if (rn > 0) {
-        const at::Tensor a = silu_and_mul(rows(gate_up, r0, rn));
-        std::memcpy(act.data_ptr<float>() + r0 * inter, a.data_ptr<float>(),
-                    rn * inter * sizeof(float));
-      }
-      sync();
-      gemm(act, w[6], hidden, at::Tensor(), x);
+    for (int64_t l = 0; l < s_.layers; ++l) layer(l);
+    if (rn_ > 0) add_rms_norm_(rows(a_.x, r0_, rn_), rows(a_.residual, r0_, rn_), a_.final_norm,
+                               a_.eps);
+  }
+
+ private:
+  void sync() {
+    if (nt_ > 1) s_.barrier.wait();
+  }
+
+  // This member's panels of out = in . W^T (+ b), for all rows.
+  void gemm(const at::Tensor& in, const at::Tensor& panels, int64_t N, const at::Tensor& b,
+            const at::Tensor& out) {
+    const int64_t NP = panels.size(0);
+    linear_panels(in.data_ptr<float>(), in.size(1), s_.B, in.size(1), panels.data_ptr<float>(), N,
+                  b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                  NP * tid_ / nt_, NP * (tid_ + 1) / nt_);
+  }
+
+  // One layer, steps separated by barriers where they read what another member wrote.
+  void layer(int64_t l) {
+    const at::Tensor* w = a_.weights.data() + l * kPerLayer;
+    if (l > 0) {
+      if (rn_ > 0) add_rms_norm_(rows(a_.x, r0_, rn_), rows(a_.residual, r0_, rn_), w[0], a_.eps);
       sync();
     }
-    if (rn > 0) add_rms_norm_(rows(x, r0, rn), rows(residual, r0, rn), final_norm, eps);
-  };
+    gemm(a_.x, w[1], s_.qkv_n, s_.bias[l], s_.qkv);
+    sync();
+    if (an_ > 0) attend(l);
+    sync();
+    gemm(s_.attn, w[3], s_.hidden, at::Tensor(), s_.o);
+    sync();
+    if (rn_ > 0) add_rms_norm_(rows(s_.o, r0_, rn_), rows(a_.residual, r0_, rn_), w[4], a_.eps);
+    sync();
+    gemm(s_.o, w[5], 2 * s_.inter, at::Tensor(), s_.gate_up);
+    sync();
+    if (rn_ > 0) {
+      const at::Tensor act = silu_and_mul(rows(s_.gate_up, r0_, rn_));
+      std::memcpy(s_.act.data_ptr<float>() + r0_ * s_.inter, act.data_ptr<float>(),
+                  rn_ * s_.inter * sizeof(float));
+    }
+    sync();
+    gemm(s_.act, w[6], s_.hidden, at::Tensor(), a_.x);
+    sync();
+  }
 
+  // RoPE, the K/V store and attention for this member's sequences, into their rows of attn.
+  void attend(int64_t l) {
+    const int64_t a0 = a0_, an = an_, H = a_.num_heads;
+    const at::Tensor mine = rows(s_.qkv, a0, an);
+    rope_store_kv_(mine, rows(a_.positions, a0, an), a_.cos, a_.sin_signed, a_.kv_caches[l],
+                   rows(a_.slots, a0, an), H, a_.num_kv_heads);
+    const at::Tensor q = mine.view({an, H + 2 * a_.num_kv_heads, s_.D}).narrow(1, 0, H);
+    const at::Tensor tables = rows(a_.block_tables, a0, an), lens = rows(a_.context_lens, a0, an);
+    const at::Tensor out =
+        s_.sparse && l >= a_.dense_layers
+            ? sparse_paged_decode(q, a_.kv_caches[l], a_.summaries[l], tables, lens,
+                                  a_.block_size, a_.scale, rows(a_.topk, a0, an),
+                                  rows(*a_.selected, a0, an), s_.member_stats[tid_])
+            : paged_decode(q, a_.kv_caches[l], tables, lens, a_.block_size, a_.scale);
+    std::memcpy(s_.attn.data_ptr<float>() + a0 * s_.q_n, out.data_ptr<float>(),
+                an * s_.q_n * sizeof(float));
+  }
+
+  Stack& s_;
+  const DecodeStackArgs& a_;
+  const int64_t tid_, nt_, r0_, rn_, a0_, an_;
+};
+
+}  // namespace
+
+at::Tensor decode_forward(const DecodeStackArgs& args) {
+  check_args(args);
+  Stack stack(args);
+  const int64_t team = stack.team;
   // The team's chunks run at once on the pool's workers. Where the pool runs the loop inline (a
   // nested call, or another caller's loop running), the one chunk is the whole range: that thread
   // then takes every step alone, without barriers.
@@ -195,13 +239,13 @@ at::Tensor decode_forward_sparse(at::Tensor x, at::Tensor residual,
       [&](int64_t begin, int64_t end) {
         const bool alone = end - begin != 1 || team == 1;
         try {
-          member(alone ? 0 : begin, alone ? 1 : team);
+          Member(stack, alone ? 0 : begin, alone ? 1 : team).run();
         } catch (...) {
-          barrier.fail();
+          stack.barrier.fail();
           throw;
         }
       },
       static_cast<int>(team));
-  for (const at::Tensor& m : member_stats) stats->add_(m);
-  return x;
+  for (const at::Tensor& m : stack.member_stats) args.stats->add_(m);
+  return args.x;
 }

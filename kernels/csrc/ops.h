@@ -176,35 +176,37 @@ inline at::Tensor panel_bias(const at::Tensor& bias, int64_t panels) {
 void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
                    const float* bias, float* C, int64_t begin, int64_t end);
 
-// The decoder layers for a step of decodes only (decode_forward.cpp): x [B, hidden] is layer 0's
-// normed input, residual its input; weights are 7 per layer (input norm, qkv panels, qkv bias or
-// an empty tensor, o panels, post-attention norm, gate_up panels, down panels). Writes the final
-// norm's output into x and returns it. `team` threads take every layer together (each GEMM's
-// panels split between them, attention and element-wise ops by rows, a barrier between steps).
-// Layers from `dense_layers` on attend by sparse_paged_decode with their `summaries` entry (one
-// per layer), `topk` [B], `selected` [B, Hkv, W] (left holding the last layer's choice) and
-// `stats` (summed over the layers); with no summaries every layer is dense (decode_forward).
-at::Tensor decode_forward_sparse(at::Tensor x, at::Tensor residual,
-                                    at::Tensor positions, at::Tensor slots,
-                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
-                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
-                                    at::Tensor sin_signed, at::Tensor block_tables,
-                                    at::Tensor context_lens, int64_t block_size, double scale,
-                                    double eps, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t team, std::vector<at::Tensor> summaries,
-                                    at::Tensor topk, int64_t dense_layers,
-                                    c10::optional<at::Tensor> selected,
-                                    c10::optional<at::Tensor> stats);
-inline at::Tensor decode_forward(at::Tensor x, at::Tensor residual,
-                                    at::Tensor positions, at::Tensor slots,
-                                    std::vector<at::Tensor> weights, at::Tensor final_norm,
-                                    std::vector<at::Tensor> kv_caches, at::Tensor cos,
-                                    at::Tensor sin_signed, at::Tensor block_tables,
-                                    at::Tensor context_lens, int64_t block_size, double scale,
-                                    double eps, int64_t num_heads, int64_t num_kv_heads,
-                                    int64_t team) {
-  return decode_forward_sparse(x, residual, positions, slots, std::move(weights), final_norm,
-                               std::move(kv_caches), cos, sin_signed, block_tables, context_lens,
-                               block_size, scale, eps, num_heads, num_kv_heads, team, {},
-                               at::Tensor(), 0, c10::nullopt, c10::nullopt);
-}
+// The decoder layers for a step of decodes only (decode_forward.cpp), as one value: the Python
+// binding (bindings.cpp) fills it once, so the argument list is written in one place. B rows
+// (one token of each sequence), Hkv KV heads of D dims, S cache slots.
+struct DecodeStackArgs {
+  at::Tensor x;              // [B, hidden] fp32, layer 0's normed input; gets the final norm's
+                             // output (returned)
+  at::Tensor residual;       // [B, hidden] fp32, layer 0's input: the residual stream, updated
+  at::Tensor positions;      // [B] int64
+  at::Tensor slots;          // [B] int64, where each row's K and V are stored
+  std::vector<at::Tensor> weights;  // 7 per layer: input norm, qkv panels, qkv bias or an empty
+                                    // tensor, o panels, post-attention norm, gate_up panels, down
+                                    // panels (pack_linear_weight's)
+  at::Tensor final_norm;     // [hidden]
+  std::vector<at::Tensor> kv_caches;  // one per layer, [2, Hkv, S, D] fp32 or fp16
+  at::Tensor cos, sin_signed;         // RoPE tables [max_pos, D] (rope_store_kv_)
+  at::Tensor block_tables;   // [B, max_blocks] int64
+  at::Tensor context_lens;   // [B] int64, this step's token included
+  int64_t block_size;
+  double scale, eps;         // attention's softmax scale, the RMS norms' epsilon
+  int64_t num_heads, num_kv_heads;
+  int64_t team;              // threads that take every layer together (at least 1 runs)
+  // Layers from dense_layers on attend by sparse_paged_decode with their summaries entry (one per
+  // layer), topk [B], selected [B, Hkv, W] (left holding the last layer's choice) and stats
+  // (summed over the layers); with no summaries every layer is dense.
+  std::vector<at::Tensor> summaries;
+  at::Tensor topk;
+  int64_t dense_layers;
+  c10::optional<at::Tensor> selected, stats;
+};
+
+// Runs every layer of `args` and returns args.x. `team` threads take every layer together (each
+// GEMM's panels split between them, attention and element-wise ops by rows, a barrier between
+// steps).
+at::Tensor decode_forward(const DecodeStackArgs& args);

@@ -70,9 +70,9 @@ inline float softmax_inplace(float* s, int64_t n) {
   return 1.f / sum;
 }
 
-// One layer's decode attention inputs.
+// One layer's attention inputs (decode here; prefill_attention.cpp adds where each chunk starts).
 //
-// q            [B, H, D]            heads and dims contiguous, rows q_row apart
+// q            [B, H, D]            heads and dims contiguous, rows q_row apart (heads_contiguous)
 // k, v         [Hkv, S, D] each     S = num_blocks * block_size, fp32 or at::Half (the task's T)
 // tables       [B, max_blocks]      int64
 // lens         [B]                  int64
@@ -86,6 +86,14 @@ struct Attn {
   float scale;
 };
 
+// q as the kernels read it: heads and dims contiguous, rows any stride apart, so a view into the
+// fused qkv rows is read in place (copied only where its heads are strided).
+inline at::Tensor heads_contiguous(const at::Tensor& q) {
+  return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+}
+
+// The pointers and sizes every attention kernel reads, from its tensors (q already
+// heads_contiguous); out [B, H, D] or [B, H * D] fp32.
 inline Attn make_attn(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
                       int64_t block_size, double scale, const at::Tensor& out) {
@@ -129,12 +137,84 @@ inline void prefetch_kv(const Attn& a, const T* kh, const T* vh, int64_t block, 
   prefetch_block(vh + off, a.block_size * D * sizeof(T));
 }
 
+// The steps of attend_fixed over one block of m <= BS rows, forced inline: in the caller's frame
+// its q, scores and accumulator stay fixed-size arrays GCC keeps in registers. (GCC 12: the
+// same instructions as the loop written in one body, up to register choice.)
+#define TS_INLINE inline __attribute__((always_inline))
+
+// s[g][i] = q[g] . K row i for the block's rows (q is pre-scaled).
+template <int G, int D, int BS>
+TS_INLINE void block_scores(const float (&q)[G][D], const float* kb, int64_t m,
+                            float (&s)[G][BS]) {
+  int64_t i = 0;
+#ifdef TS_AVX2
+  if constexpr (D % 8 == 0)
+    for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], BS);
+#endif
+  for (; i < m; ++i) {
+    const float* krow = kb + i * D;
+    for (int g = 0; g < G; ++g) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < D; ++d) dot += q[g][d] * krow[d];
+      s[g][i] = dot;
+    }
+  }
+}
+
+// Online softmax over the block: each head's running max (mx) and sum, and its accumulator
+// rescaled when the max grows; s becomes the block's weights, 0 past row m. The loops run the
+// full block width (a short block padded with score -inf), so they vectorize.
+template <int G, int D, int BS>
+TS_INLINE void block_softmax(float (&s)[G][BS], int64_t m, float (&mx)[G], float (&sum)[G],
+                             float (&acc)[G][D]) {
+  for (int g = 0; g < G; ++g) {
+    for (int64_t t = m; t < BS; ++t) s[g][t] = -INFINITY;
+    float bm = mx[g];
+#pragma omp simd reduction(max : bm)
+    for (int t = 0; t < BS; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
+    if (bm > mx[g]) {  // a new maximum: rescale what was summed so far
+      const float c = fast_exp(mx[g] - bm);
+      sum[g] *= c;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] *= c;
+      mx[g] = bm;
+    }
+#pragma omp simd
+    for (int t = 0; t < BS; ++t) s[g][t] = fast_exp(s[g][t] - bm);
+    for (int64_t t = m; t < BS; ++t) s[g][t] = 0.f;
+    float bsum = 0.f;
+#pragma omp simd reduction(+ : bsum)
+    for (int t = 0; t < BS; ++t) bsum += s[g][t];
+    sum[g] += bsum;
+  }
+}
+
+// acc += weights . V rows; the block kAhead on (kn, vn; null past the last) is prefetched a row
+// at a time here, spread over the work.
+template <typename T, int G, int D, int BS>
+TS_INLINE void block_values(const float (&s)[G][BS], const float* vb, int64_t m, const T* kn,
+                            const T* vn, float (&acc)[G][D]) {
+  for (int64_t t = 0; t < m; ++t) {
+    const float* vrow = vb + t * D;
+    if (kn != nullptr)
+      for (int d = 0; d < D; d += 64 / static_cast<int>(sizeof(T))) {
+        __builtin_prefetch(kn + t * D + d, 0, 1);
+        __builtin_prefetch(vn + t * D + d, 0, 1);
+      }
+    for (int g = 0; g < G; ++g) {
+      const float w = s[g][t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] += w * vrow[d];
+    }
+  }
+}
+
 // One (sequence, KV head) task with the group size, head dim and block size known at compile
 // time, in one pass over the blocks: each block's K and V are used together (online softmax: a
 // running max and sum per head, the accumulator rescaled when the max grows), and the blocks two
 // ahead are prefetched, so the scattered blocks stream instead of waiting on memory one at a time.
-// Per-block softmax loops run the full block width (a short last block is padded: score -inf,
-// weight 0), so they vectorize. An fp16 block is widened into kbuf/vbuf first.
+// An fp16 block is widened into kbuf/vbuf first.
 template <typename T, int G, int D, int BS, typename List>
 void attend_fixed(const Attn& a, int64_t b, int64_t h, List sel, std::vector<float>&) {
   constexpr bool kWiden = !std::is_same_v<T, float>;
@@ -152,60 +232,15 @@ void attend_fixed(const Attn& a, int64_t b, int64_t h, List sel, std::vector<flo
   float acc[G][D] = {};
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
   for (int64_t j = 0; j < count; ++j) {
-    // The block kAhead on is prefetched a row at a time in the V loop below, spread over the work.
     const int64_t blk = table[sel[j]];
     const T* kn = j + kAhead < count ? kh + table[sel[j + kAhead]] * BS * D : nullptr;
     const T* vn = j + kAhead < count ? vh + table[sel[j + kAhead]] * BS * D : nullptr;
     const int64_t m = std::min<int64_t>(BS, n - sel[j] * BS);
     const float* kb = kv_row(kh + blk * BS * D, kbuf, m * D);
     const float* vb = kv_row(vh + blk * BS * D, vbuf, m * D);
-    int64_t i = 0;
-#ifdef TS_AVX2
-    if constexpr (D % 8 == 0)
-      for (; i + 8 <= m; i += 8) scores8<G, D>(q, kb + i * D, &s[0][i], BS);
-#endif
-    for (; i < m; ++i) {
-      const float* krow = kb + i * D;
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += q[g][d] * krow[d];
-        s[g][i] = dot;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      for (int64_t t = m; t < BS; ++t) s[g][t] = -INFINITY;
-      float bm = mx[g];
-#pragma omp simd reduction(max : bm)
-      for (int t = 0; t < BS; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
-      if (bm > mx[g]) {  // a new maximum: rescale what was summed so far
-        const float c = fast_exp(mx[g] - bm);
-        sum[g] *= c;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] *= c;
-        mx[g] = bm;
-      }
-#pragma omp simd
-      for (int t = 0; t < BS; ++t) s[g][t] = fast_exp(s[g][t] - bm);
-      for (int64_t t = m; t < BS; ++t) s[g][t] = 0.f;
-      float bsum = 0.f;
-#pragma omp simd reduction(+ : bsum)
-      for (int t = 0; t < BS; ++t) bsum += s[g][t];
-      sum[g] += bsum;
-    }
-    for (int64_t t = 0; t < m; ++t) {
-      const float* vrow = vb + t * D;
-      if (kn != nullptr)
-        for (int d = 0; d < D; d += 64 / static_cast<int>(sizeof(T))) {
-          __builtin_prefetch(kn + t * D + d, 0, 1);
-          __builtin_prefetch(vn + t * D + d, 0, 1);
-        }
-      for (int g = 0; g < G; ++g) {
-        const float w = s[g][t];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += w * vrow[d];
-      }
-    }
+    block_scores<G, D, BS>(q, kb, m, s);
+    block_softmax<G, D, BS>(s, m, mx, sum, acc);
+    block_values<T, G, D, BS>(s, vb, m, kn, vn, acc);
   }
   for (int g = 0; g < G; ++g) {
     float* o = a.out + (b * a.H + h * G + g) * D;

@@ -24,8 +24,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype_supported(kv_cache),
               "fp32 queries, fp32 or fp16 KV cache");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
-  // q may be a view into the fused qkv rows: heads and dims contiguous, rows strided.
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  q = ts::paged::heads_contiguous(q);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const ts::paged::Attn a =
       ts::paged::make_attn(q, kv_cache, block_tables, context_lens, block_size, scale, out);

@@ -174,8 +174,7 @@ at::Tensor sparse_paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor sum
                                   int64_t block_size, double scale, at::Tensor topk,
                                   at::Tensor selected, at::Tensor stats) {
   check_inputs(q, kv_cache, summary, block_tables, context_lens, topk, selected, stats, block_size);
-  // q may be a view into the fused qkv rows: heads and dims contiguous, rows strided.
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  q = ts::paged::heads_contiguous(q);
   const int64_t B = q.size(0);
   auto out = at::empty({B, q.size(1) * q.size(2)}, q.options());
   const Layer a = make_layer(q, kv_cache, summary, block_tables, context_lens, block_size, scale,
