@@ -13,12 +13,21 @@ A view [rows, width] is the first rows * width elements of the flat buffer, so i
 (a backend needs no copy) and its row stride is `width`. Entries past a sequence's blocks hold
 PAD_BLOCK, which no kernel can take for a block (block ids are >= 0).
 
-On a GPU the host buffers are pinned, so the copies to the device are asynchronous.
+On a GPU the host buffers are pinned, so the copies to the device are asynchronous: each step
+records an upload_event() after its copies, and the next step waits for it before writing.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import numpy as np
 import torch
+
+from tierserve.kernels.base import BatchLayout
+
+if TYPE_CHECKING:
+    from tierserve.engine.scheduler import ScheduledRequest
 
 PAD_BLOCK = -1
 """Block-table padding: never a block id."""
@@ -62,7 +71,8 @@ class BatchBuffers:
         self.selected = buf(max_num_seqs * num_kv_heads * capacity_blocks, torch.int32)
         """Sparse decode: the blocks each (sequence, KV head) attends, written by the kernel."""
         self.topk = buf(max_num_seqs, torch.long)
-        """Sparse decode: blocks each sequence may attend (0: dense)."""
+        """Sparse decode: blocks each sequence may attend, in the kernels' encoding
+        (kernels/sparse_plan.kernel_topk)."""
 
     def width(self, longest: int) -> int:
         return active_width(longest, self.capacity, self.alignment) if self.adaptive else self.capacity
@@ -86,6 +96,59 @@ class BatchBuffers:
         k = min(topk, self.capacity)
         return self.selected[:rows * self.num_kv_heads * k].view(rows, self.num_kv_heads, k)
 
+    def write_step(self, sched: tuple[ScheduledRequest, ...],
+                   block_size: int) -> tuple[BatchLayout, list[int]]:
+        """Write a step's tokens, positions, slots, block tables and context lengths into the
+        buffers (through numpy views of their memory: no tensor is allocated): the step's layout
+        and the rows that sample."""
+        qlens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
+        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
+        qstart = np.zeros(len(sched) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qstart[1:])
+        t = int(qstart[-1])
+        tokens = self.tokens.numpy()
+        for s, a in zip(sched, qstart.tolist()):
+            tokens[a:a + s.num_new_tokens] = s.request.token_slice(s.start, s.start + s.num_new_tokens)
+        tables = self.table_view([s.block_ids for s in sched])
+        seq = np.repeat(np.arange(len(sched)), qlens)
+        pos = self.positions.numpy()[:t]
+        np.add(np.arange(t) - qstart[:-1][seq], starts[seq], out=pos)
+        slots = self.slot_mapping.numpy()[:t]
+        np.add(tables.numpy()[seq, pos // block_size] * block_size, pos % block_size, out=slots)
+        ctx_lens = starts + qlens
+        self.context_lens.numpy()[:len(sched)] = ctx_lens
+        num_decodes = next((i for i, q in enumerate(qlens.tolist()) if q != 1), len(sched))
+        layout = BatchLayout(num_decodes, qlens.tolist(), ctx_lens.tolist(), qstart.tolist(),
+                             tables, self.slot_mapping[:t], block_size)
+        return layout, [i for i, s in enumerate(sched) if s.samples]
+
     @staticmethod
     def nbytes(*views: torch.Tensor) -> int:
         return sum(v.numel() * v.element_size() for v in views)
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs on the device, ready to run (a decode graph's static ones, or eager)."""
+
+    run: Callable[[], torch.Tensor]
+    """Runs the model over them: the hidden states of the step's tokens."""
+    slots: torch.Tensor
+    """[tokens] int64 on the device: the KV slot each token's K and V are stored at."""
+    nbytes: int
+    """Bytes of metadata the step moved or viewed (StepResult.metadata_bytes)."""
+
+
+class _CopiesDone:
+    """The CPU's upload event: its copies are synchronous, so they are done when recorded."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def upload_event(device: torch.device) -> torch.cuda.Event | _CopiesDone:
+    """An event to record after a step's copies out of pinned host memory and to wait on before
+    that memory is written again."""
+    return torch.cuda.Event() if device.type == "cuda" else _CopiesDone()

@@ -18,7 +18,8 @@ pinned host staging buffer laid out like the device one (int64):
     [M, 2M)       positions
     [2M, 3M)      KV slots
     [3M, 4M)      context lengths    (cast to int32 inside the graph, for the kernel)
-    [4M, 5M)      sparse top-k       blocks each row attends (0: dense; sparse decode only)
+    [4M, 5M)      sparse top-k       staged 0 (the kernels' dense encoding); the real rows of a
+                                     sparse step get the plan's top-k on the device (upload)
     [5M, ...)     block tables, the [bucket, width] view being the first bucket * width entries
 
 Rows past the batch (padding up to the bucket) are a one-token sequence at position 0 in the
@@ -33,10 +34,11 @@ class attribute `cuda_graphs` and a `static_decode_metadata(tables, lens, page_s
 (kernels/triton_attn.py). Others and a CPU device run eagerly, with a warning.
 
 Sparse top-k decode (a backend with sparse support: triton) is captured too: scoring, choice and
-attention run on the device, so a graph takes each row's top-k from the staged section above
-(padded rows and dense rows 0), its own selected-block buffer, and the layers' summaries and the
-blocks-attended counter at their fixed addresses. With sparse decode configured every replayed
-step runs the sparse kernels (a dense row costs the scoring of its blocks more than eager).
+attention run on the device, so a graph takes each row's top-k from the section above (padded
+rows and dense rows 0), and the layers' summaries and the blocks-attended counter at their fixed
+addresses (engine/sparse.py: static_step); it does not record the chosen blocks, which nothing
+reads. With sparse decode configured every replayed step runs the sparse kernels (a dense row
+costs the scoring of its blocks more than eager).
 
 All graphs share one memory pool, so a replay's output is valid until the next replay: the
 runner computes the step's logits from it before the next step.
@@ -51,14 +53,15 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from tierserve.engine.batch_buffers import PAD_BLOCK, BatchBuffers, active_width, next_power_of_two
+from tierserve.engine.batch_buffers import (PAD_BLOCK, BatchBuffers, StepInputs, active_width,
+                                            next_power_of_two, upload_event)
+from tierserve.engine.sparse import DecodeSparsity, DenseDecodes
 from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tierserve.kernels.composite import PhaseSplit, SplitMeta
 from tierserve.kernels.sparse_plan import SparseStep
 
 if TYPE_CHECKING:
     from tierserve.engine.config import EngineConfig
-    from tierserve.engine.sparse import SparseDecoder
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +157,7 @@ class Staging:
                 flat[3 * m:3 * m + bucket], tables.reshape(bucket, width))
 
     def topk(self, flat, bucket: int):
-        """The sparse top-k section's view for one graph."""
+        """The sparse top-k section's view for one graph (the kernels' encoding)."""
         return flat[4 * self.max_bucket:4 * self.max_bucket + bucket]
 
     def used(self, bucket: int, width: int) -> int:
@@ -164,19 +167,16 @@ class Staging:
 
 def stage_decode(flat: np.ndarray, lay: Staging, bucket: int, width: int, tokens: np.ndarray,
                  positions: np.ndarray, slots: np.ndarray, lens: np.ndarray, tables: np.ndarray,
-                 scratch_block: int, block_size: int, topk: np.ndarray | None = None) -> None:
+                 scratch_block: int, block_size: int) -> None:
     """Write a decode batch of len(tokens) rows into `flat`, padded to `bucket` rows and `width`
     table columns: real rows as given (tables [rows, w <= width] padded with PAD_BLOCK), padded
-    rows a one-token sequence in the scratch block (see the module docstring); each row's sparse
-    top-k as given (None: every row dense), padded rows dense."""
+    rows a one-token sequence in the scratch block (see the module docstring); every row's sparse
+    top-k dense (a sparse step's real rows are written on the device)."""
     b, w = tables.shape
     tok, pos, slot, ctx, tab = lay.views(flat, bucket, width)
     tok[:b], pos[:b], slot[:b], ctx[:b] = tokens, positions, slots, lens
     tok[b:], pos[b:], slot[b:], ctx[b:] = 0, 0, scratch_block * block_size, 1
-    k = lay.topk(flat, bucket)
-    k[:] = 0
-    if topk is not None:
-        k[:b] = topk
+    lay.topk(flat, bucket)[:] = 0
     tab.fill(PAD_BLOCK)
     tab[:b, :w] = tables
     tab[b:, 0] = scratch_block
@@ -195,12 +195,12 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
                  max_num_seqs: int, capacity: int, block_size: int, alignment: int = 8,
-                 max_widths: int = MAX_WIDTHS, sparse: SparseDecoder | None = None):
+                 max_widths: int = MAX_WIDTHS, sparse: DecodeSparsity = DenseDecodes()):
         self.model, self.backend, self.device = model, backend, torch.device(device)
         self.block_size = block_size
         self.sparse = sparse
         """Sparse top-k decode inside the graphs (its summaries and counter are captured by
-        address: they must not be reallocated after capture), or None: dense graphs."""
+        address: they must not be reallocated after capture); DenseDecodes: dense graphs."""
         self.buckets = batch_buckets(max_num_seqs)
         self.widths = graph_widths(capacity, alignment, max_widths)
         self.layout = Staging(self.buckets[-1], self.widths[-1])
@@ -208,10 +208,7 @@ class DecodeGraphs:
         self._host = torch.zeros(self.layout.numel, dtype=torch.long, pin_memory=on_gpu)
         self._dev = torch.zeros(self.layout.numel, dtype=torch.long, device=self.device)
         self._lens32 = torch.zeros(self.layout.max_bucket, dtype=torch.int32, device=self.device)
-        self._selected = (torch.full((self.layout.max_bucket, sparse.num_kv_heads,
-                                      self.layout.max_width), -1, dtype=torch.int32,
-                                     device=self.device) if sparse is not None else None)
-        self._copied = torch.cuda.Event() if on_gpu else None
+        self._copied = upload_event(self.device)
         """Recorded after each copy out of the host staging buffer; waited on before refilling."""
         self._entries: dict[tuple[int, int], _Entry] = {}
         self.scratch_block: int | None = None
@@ -245,10 +242,7 @@ class DecodeGraphs:
         tok, pos, slots, lens, tables = self.layout.views(self._dev, bucket, width)
         lens32 = self._lens32[:bucket]
         meta = static_metadata(self.backend, tables, lens32, self.block_size)
-        sp = self.sparse
-        step = (SparseStep(sp.summaries, sp.config.dense_layers, self.layout.topk(self._dev, bucket),
-                           self._selected[:bucket, :, :width], sp.accumulator)
-                if sp is not None else None)
+        step = self.sparse.static_step(self.layout.topk(self._dev, bucket))
         ctx = ForwardContext(self.backend, meta, slots, kv_caches, step)
 
         def forward() -> torch.Tensor:
@@ -287,23 +281,27 @@ class DecodeGraphs:
     def can_replay(self, layout: BatchLayout) -> bool:
         return self.graph_for(layout) is not None
 
-    def replay(self, layout: BatchLayout, buffers: BatchBuffers,
-               topk: np.ndarray | None = None) -> tuple[torch.Tensor, int]:
-        """Copy the step's inputs in, replay its graph: (hidden [num_seqs, H], bytes copied).
-        topk: each row's sparse top-k (engine/sparse.py's plan; None: all dense). The hidden rows
-        are valid until the next replay."""
+    def upload(self, layout: BatchLayout, buffers: BatchBuffers,
+               plan: SparseStep | None = None) -> StepInputs:
+        """Copy the step's inputs into its graph's: StepInputs whose run() replays it (hidden
+        [num_seqs, H], valid until the next replay). plan: the step's sparse decode plan, whose
+        device top-k the real rows take (None: every row dense)."""
         bucket, width = self.graph_for(layout)
         b = layout.num_seqs
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has left the staging buffer
+        self._copied.synchronize()  # the last step's copy has left the staging buffer
         stage_decode(self._host.numpy(), self.layout, bucket, width, buffers.tokens.numpy()[:b],
                      buffers.positions.numpy()[:b], buffers.slot_mapping.numpy()[:b],
                      buffers.context_lens.numpy()[:b], layout.block_tables.numpy(),
-                     self.scratch_block, self.block_size, topk)
+                     self.scratch_block, self.block_size)
         n = self.layout.used(bucket, width)
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        hidden = self._entries[(bucket, width)].run()
-        self.replays += 1
-        return hidden[:b], n * self._host.element_size()
+        self._copied.record()
+        if plan is not None:  # after the staged zeros, on the same stream
+            self.layout.topk(self._dev, bucket)[:b].copy_(plan.topk, non_blocking=True)
+        _, _, slots, _, _ = self.layout.views(self._dev, bucket, width)
+        entry = self._entries[(bucket, width)]
+
+        def run() -> torch.Tensor:
+            self.replays += 1
+            return entry.run()[:b]
+        return StepInputs(run, slots[:b], n * self._host.element_size())

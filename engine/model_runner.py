@@ -1,31 +1,35 @@
-"""Runs one scheduled step: builds the flat batch into fixed-capacity buffers, runs the model under
-the forward context, samples. Owns the model, the KV cache tensors and the attention backend."""
+"""Runs one scheduled step. Owns the model, the KV cache tensors and the attention backend.
+
+One path for every step, each part written once: the layout (the step's inputs in the fixed
+buffers; sparse.prepare plans its decodes), the upload (a decode graph's static inputs when one
+fits the step, else the eager inputs and the backend's metadata), the run (graph replay or eager
+forward; then sparse.after_step), the collect (logits, sampler, prompt logprobs). Sparse decode
+stays behind engine/sparse.py's hooks, which do nothing without it.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from tierserve.engine.batch_buffers import BatchBuffers
+from tierserve.engine.backend_choice import choose_backend
+from tierserve.engine.batch_buffers import BatchBuffers, StepInputs, upload_event
 from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
+from tierserve.engine.kv_blocks import gather_blocks, write_blocks
 from tierserve.engine.models import model_class
 from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tierserve.engine.sparse import SparseDecoder
-from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, create_backend, forward_context
-from tierserve.kernels.composite import PhaseSplit
+from tierserve.engine.sparse import decode_sparsity, step_bytes
+from tierserve.kernels import BatchLayout, ForwardContext, forward_context
 from tierserve.kernels.kv_dtype import kv_torch_dtype
 from tierserve.kernels.native import fused_ops
-from tierserve.kernels.profile import load_profile
-from tierserve.kernels.router import Route, RouteQuery, describe, route_phases
+from tierserve.kernels.sparse_plan import SparseStep
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +62,16 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.model = self._build_model(weights)
-        self.routes, self.backend = self._choose_backend()
-        if config.sparse.enabled and not self.backend.capabilities.sparse:
-            log.warning("sparse decode is on, but the decode backend %s cannot run it: decodes "
-                        "attend densely (see `tierserve route`)", self.backend.name)
+        self.routes, self.backend = choose_backend(config, model_cfg, self.device, self.dtype,
+                                                   self.kv_dtype)
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
-        self.sparse = SparseDecoder(config.sparse, model_cfg.num_layers, model_cfg.num_kv_heads,
-                                    model_cfg.head_dim, self.block_size, self.device,
-                                    self.native)
+        self.sparse = decode_sparsity(config.sparse, self.backend, model_cfg, self.block_size,
+                                      self.device, self.native)
         self.allocate_kv(num_blocks, max_model_len)
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
-        self._uploaded = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._uploaded = upload_event(self.device)
         """Recorded after a step's copies out of the pinned host buffers; the next step's layout
         waits for it before writing them."""
         self.graphs: DecodeGraphs | None = None
@@ -91,8 +92,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(2, mc.num_kv_heads, slots, mc.head_dim,
                                       dtype=self.kv_dtype, device=self.device)
                           for _ in range(mc.num_layers)]
-        if self.config.sparse.enabled:
-            self.sparse.allocate(num_blocks)
+        self.sparse.allocate(num_blocks)
         sc = self.config.scheduler
         # Fixed-capacity host buffers (pinned on a GPU); each step uses views as wide as its batch.
         self.buffers = BatchBuffers(sc.max_num_seqs, sc.max_num_batched_tokens,
@@ -104,11 +104,9 @@ class ModelRunner:
         if not self.graph_reserved_blocks:
             return
         t0 = time.perf_counter()
-        sparse = self.sparse if self.config.sparse.enabled and self.backend.capabilities.sparse \
-            else None
         graphs = DecodeGraphs(self.model, self.backend, self.device,
                               self.config.scheduler.max_num_seqs, self.buffers.capacity,
-                              self.block_size, sparse=sparse)
+                              self.block_size, sparse=self.sparse)
         graphs.capture(self.kv_caches, self.num_blocks - 1, pool_blocks)
         self.graphs = graphs
         log.info("decode CUDA graphs: %d (batch buckets %s x table widths %s) in %.1f s",
@@ -136,44 +134,6 @@ class ModelRunner:
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         return model.to(self.device).eval()
 
-    def _choose_backend(self) -> tuple[dict[str, Route], AttentionBackend]:
-        """Route prefill and decode separately: one backend when both agree, else a PhaseSplit."""
-        mc = self.model_cfg
-        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        q = RouteQuery(self.device.type, self.dtype, self.config.kv_cache_dtype, mc.head_dim,
-                       mc.num_heads, mc.num_kv_heads, self.block_size, capability=cap)
-        routes = route_phases(q, self.config.attention_backend,
-                              load_profile(self.config.backend_profile),
-                              sparse_decode=self.config.sparse.enabled)
-        built: dict[str, AttentionBackend] = {}  # routed name -> instance (maybe a fallback)
-        for r in routes.values():
-            if r.backend not in built:
-                built[r.backend] = self._create_backend(r)
-        pre, dec = (built[routes[p].backend] for p in ("prefill", "decode"))
-        for r, be in ((routes["prefill"], pre), (routes["decode"], dec)):
-            if be.name != r.backend:  # the routed backend failed to build
-                r.rejected.pop(be.name, None)
-                r.rejected[r.backend] = getattr(be, "fallback_reason", "failed to build")
-                r.backend = be.name
-        log.info("attention backends:\n%s", describe(routes))
-        return routes, dec if pre is dec else PhaseSplit(prefill=pre, decode=dec)
-
-    def _create_backend(self, r: Route) -> AttentionBackend:
-        mc = self.model_cfg
-        args = (mc.num_heads, mc.num_kv_heads, mc.head_dim, 1.0 / math.sqrt(mc.head_dim))
-        kw = dict(kv_scale=self.config.kv_cache_scale, device=self.device, dtype=self.dtype,
-                  kv_dtype=self.kv_dtype)
-        try:
-            return create_backend(r.backend, *args, **kw)
-        except RuntimeError as e:  # e.g. a native kernel that failed to build
-            if self.config.attention_backend:
-                raise
-            fallback = "torch_sdpa"
-            log.warning("attention backend %s unavailable (%s); using %s", r.backend, e, fallback)
-            be = create_backend(fallback, *args, **kw)
-            be.fallback_reason = str(e)
-            return be
-
     @property
     def kv_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
@@ -186,26 +146,13 @@ class ModelRunner:
         mc = self.model_cfg
         return (mc.num_layers, 2, mc.num_kv_heads, self.block_size, mc.head_dim)
 
-    def _blocks_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """[2, H, slots, D] -> [2, H, num_blocks, block size, D] (no copy)."""
-        two, h, _, d = cache.shape
-        return cache.view(two, h, self.num_blocks, self.block_size, d)
-
-    @torch.inference_mode()
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of these blocks' KV, [n, layers, 2, H, block size, D], on the host: one
-        index_select per layer for all blocks together."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        per_layer = [self._blocks_view(c).index_select(2, idx) for c in self.kv_caches]
-        return torch.stack(per_layer).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+        """Copies of these blocks' KV, [n, *block_shape], on the host (engine/kv_blocks.py)."""
+        return gather_blocks(self.kv_caches, block_ids, self.block_size)
 
-    @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write [n, layers, 2, H, block size, D] into these device blocks (between steps)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = blocks.to(device=self.device, dtype=self.kv_dtype).permute(1, 2, 3, 0, 4, 5)
-        for cache, layer in zip(self.kv_caches, data):
-            self._blocks_view(cache).index_copy_(2, idx, layer)
+        """Write [n, *block_shape] into these device blocks (between steps)."""
+        write_blocks(self.kv_caches, block_ids, blocks, self.block_size)
         self.sparse.rebuild(self.kv_caches, block_ids)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -235,43 +182,37 @@ class ModelRunner:
         return self._logits(hidden, layout, sample_rows)
 
     def _forward(self, out: SchedulerOutput):
-        """The model over the step's tokens: (hidden, layout, rows that sample, metadata facts)."""
+        """The model over the step's tokens: (hidden, layout, rows that sample, metadata facts).
+        A graph replay and an eager forward differ only in how the inputs reach the device."""
         t0 = time.perf_counter()
         layout, sample_rows = self._layout(out)
-        if self.graphs is not None and self.graphs.can_replay(layout):
-            sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
-                      if self.graphs.sparse is not None else None)
-            topk = self.buffers.topk.numpy()[:layout.num_seqs] if sparse is not None else None
-            hidden, nbytes = self.graphs.replay(layout, self.buffers, topk)
-            self.sparse.update(self.kv_caches, layout.slot_mapping)
-            if self._uploaded is not None:
-                self._uploaded.record()  # the plan's and the update's copies out of the buffers
-            if sparse is not None:
-                self.sparse.collect()
-            return hidden, layout, sample_rows, dict(
-                table_width=layout.block_tables.shape[1], metadata_bytes=nbytes,
-                metadata_seconds=time.perf_counter() - t0)
-        t = out.num_batched_tokens
-        dev, b = self.device, self.buffers
-        sparse = (self.sparse.plan([s.request for s in out.scheduled], layout, self.buffers)
-                  if self.backend.capabilities.sparse else None)
+        plan = self.sparse.prepare(out.scheduled, layout, self.buffers)
+        replay = self.graphs is not None and self.graphs.can_replay(layout)
+        inputs = (self.graphs.upload(layout, self.buffers, plan) if replay
+                  else self._upload(out, layout, plan))
+        self._uploaded.record()  # after every copy out of the pinned buffers
+        facts = dict(table_width=layout.block_tables.shape[1], metadata_bytes=inputs.nbytes,
+                     metadata_seconds=time.perf_counter() - t0)
+        hidden = inputs.run()
+        self.sparse.after_step(self.kv_caches, inputs.slots, plan)
+        return hidden, layout, sample_rows, facts
+
+    def _upload(self, out: SchedulerOutput, layout: BatchLayout,
+                plan: SparseStep | None) -> StepInputs:
+        """The eager step: its inputs on the device and the backend's metadata over them."""
+        t, dev, b = out.num_batched_tokens, self.device, self.buffers
         slots = layout.slot_mapping.to(dev, non_blocking=True)  # once per step, not per layer
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), slots,
-                             self.kv_caches, sparse)
+                             self.kv_caches, plan)
         tokens, positions = (b.tokens[:t].to(dev, non_blocking=True),
                              b.positions[:t].to(dev, non_blocking=True))
-        if self._uploaded is not None:
-            self._uploaded.record()  # after every copy out of the pinned buffers
-        views = (layout.block_tables, layout.slot_mapping, self.buffers.context_lens[:layout.num_seqs],
-                 *((sparse.topk, sparse.selected) if sparse else ()))
-        facts = dict(table_width=layout.block_tables.shape[1], metadata_bytes=BatchBuffers.nbytes(*views),
-                     metadata_seconds=time.perf_counter() - t0)
-        with forward_context(ctx):
-            hidden = self.model(tokens, positions)
-        self.sparse.update(self.kv_caches, slots)
-        if sparse is not None:
-            self.sparse.collect()
-        return hidden, layout, sample_rows, facts
+
+        def run() -> torch.Tensor:
+            with forward_context(ctx):
+                return self.model(tokens, positions)
+        nbytes = BatchBuffers.nbytes(layout.block_tables, layout.slot_mapping,
+                                     b.context_lens[:layout.num_seqs]) + step_bytes(plan)
+        return StepInputs(run, slots, nbytes)
 
     def _logits(self, hidden: torch.Tensor, layout: BatchLayout, rows: list[int]) -> torch.Tensor:
         idx = torch.tensor([layout.query_start[i + 1] - 1 for i in rows], device=self.device)
@@ -281,33 +222,11 @@ class ModelRunner:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
 
     def _layout(self, out: SchedulerOutput) -> tuple[BatchLayout, list[int]]:
-        """The step's tokens, positions, slots and block tables, written into the fixed buffers
-        (numpy views of their memory: no tensor is allocated)."""
-        sched, buf, bs = out.scheduled, self.buffers, self.block_size
-        if self._uploaded is not None:
-            # The previous step's asynchronous copies read these pinned buffers when they run;
-            # a step that did not sample never waited for them (a sampling step syncs anyway).
-            self._uploaded.synchronize()
-        qlens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
-        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
-        qstart = np.zeros(len(sched) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qstart[1:])
-        t = int(qstart[-1])
-        tokens = buf.tokens.numpy()
-        for s, a in zip(sched, qstart.tolist()):
-            tokens[a:a + s.num_new_tokens] = s.request.token_slice(s.start, s.start + s.num_new_tokens)
-        tables = buf.table_view([s.block_ids for s in sched])
-        seq = np.repeat(np.arange(len(sched)), qlens)
-        pos = buf.positions.numpy()[:t]
-        np.add(np.arange(t) - qstart[:-1][seq], starts[seq], out=pos)
-        slots = buf.slot_mapping.numpy()[:t]
-        np.add(tables.numpy()[seq, pos // bs] * bs, pos % bs, out=slots)
-        ctx_lens = starts + qlens
-        buf.context_lens.numpy()[:len(sched)] = ctx_lens
-        num_decodes = next((i for i, q in enumerate(qlens.tolist()) if q != 1), len(sched))
-        layout = BatchLayout(num_decodes, qlens.tolist(), ctx_lens.tolist(), qstart.tolist(),
-                             tables, buf.slot_mapping[:t], bs)
-        return layout, [i for i, s in enumerate(sched) if s.samples]
+        """The step written into the fixed buffers: (its layout, the rows that sample)."""
+        # The previous step's asynchronous copies read these pinned buffers when they run; a step
+        # that did not sample never waited for them (a sampling step syncs anyway).
+        self._uploaded.synchronize()
+        return self.buffers.write_step(out.scheduled, self.block_size)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          layout: BatchLayout) -> dict[RequestId, list[TopLogprobs]]:

@@ -6,8 +6,8 @@ Each KV block keeps, per KV head, the element-wise min and max of its keys:
     summary [2, Hkv, num_blocks, D] fp32   [0] min, [1] max (an fp16 cache's keys widened)
 
 For a decode query q and any key k of block j, q.k <= sum_i max(q_i min_ji, q_i max_ji). Each
-sequence has its own topk (0: dense); per (sequence, KV head) with n = ceil(context / block_size)
-blocks:
+sequence has its own topk, in the kernels' encoding (kernels/sparse_plan.kernel_topk: 0 takes the
+dense path); per (sequence, KV head) with n = ceil(context / block_size) blocks:
 
     topk 0 or n <= topk   every block (dense decode)
     otherwise             block 0 (attention sinks), block n-1 (the newest, partly filled) and the
@@ -122,8 +122,8 @@ def attend_blocks(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
 def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, summary: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                       scale: float, topk: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's sparse decode, topk for every sequence or one each (0: dense):
-    (out [B, H * D], selected [B, Hkv, max(topk)] int64)."""
+    """One layer's sparse decode, topk for every sequence or one each, in the kernels' encoding
+    (0: dense), as the kernels take it: (out [B, H * D], selected [B, Hkv, max(topk)] int64)."""
     ks = [topk] * q.shape[0] if isinstance(topk, int) else list(topk)
     group = q.shape[1] // kv_cache.shape[1]
     scores = block_scores(q, summary, block_tables, context_lens, block_size, group)

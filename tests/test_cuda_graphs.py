@@ -101,9 +101,10 @@ def test_padding_rows_use_only_the_scratch_block():
                 slots=np.array([5 * 16 + 8, 9 * 16 + 12, 10 * 16 + 2]), lens=np.array([41, 61, 3]))
     scratch, bs = 31, 16
     stage_decode(flat, lay, 4, 8, real["tokens"], real["positions"], real["slots"], real["lens"],
-                 tables, scratch, bs, topk=np.array([2, 0, 3]))
+                 tables, scratch, bs)
     tok, pos, slot, ctx, tab = lay.views(flat, 4, 8)
-    assert lay.topk(flat, 4).tolist() == [2, 0, 3, 0]  # the padded row decodes densely
+    # every row dense: a sparse step's real rows get their top-k on the device, the padded stays
+    assert lay.topk(flat, 4).tolist() == [0, 0, 0, 0]
     assert tok.tolist() == [11, 12, 13, 0] and pos.tolist() == [40, 60, 2, 0]
     assert slot.tolist() == [5 * 16 + 8, 9 * 16 + 12, 10 * 16 + 2, scratch * bs]
     assert ctx.tolist() == [41, 61, 3, 1]  # the padded row attends to its own one token
@@ -114,9 +115,6 @@ def test_padding_rows_use_only_the_scratch_block():
     assert not {s // bs for s in slot[3:].tolist()} & real_blocks
     # what one step copies: the five row sections and the [bucket, width] table, nothing after
     assert lay.used(4, 8) == 5 * 8 + 32 and (flat[lay.used(4, 8):] == 777).all()
-    stage_decode(flat, lay, 4, 8, real["tokens"], real["positions"], real["slots"], real["lens"],
-                 tables, scratch, bs)
-    assert lay.topk(flat, 4).tolist() == [0, 0, 0, 0]  # no plan: every row dense
 
 
 # ---- the flag ------------------------------------------------------------------------------------
@@ -177,7 +175,7 @@ def _eager(model, backend, caches, buffers: BatchBuffers, layout: BatchLayout) -
 
 def _decode_step(buffers: BatchBuffers, rows: list[tuple[int, tuple[int, ...]]], bs: int,
                  vocab: int) -> BatchLayout:
-    """Decodes of (context length, blocks) into the buffers, as ModelRunner._layout writes them."""
+    """Decodes of (context length, blocks) into the buffers, as BatchBuffers.write_step does."""
     b = len(rows)
     tables = buffers.table_view([blocks for _, blocks in rows])
     pos = np.array([n - 1 for n, _ in rows])
@@ -230,7 +228,9 @@ def test_replay_inputs_match_the_eager_step(contexts):
     graphs.capture(graph_caches, scratch, pool_blocks=scratch, graphs=False)
     bucket, width = graphs.graph_for(layout)
     assert bucket == smallest_at_least(len(contexts), graphs.buckets) and width >= 8
-    got, nbytes = graphs.replay(layout, buffers)
+    inputs = graphs.upload(layout, buffers)
+    assert inputs.slots.tolist() == layout.slot_mapping.tolist()  # the summaries' update reads them
+    got, nbytes = inputs.run(), inputs.nbytes
     assert got.shape == want.shape
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert nbytes == 8 * graphs.layout.used(bucket, width)
@@ -244,8 +244,8 @@ def test_replay_inputs_match_the_eager_step(contexts):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_sparse_replay_matches_the_eager_sparse_step():
-    """Sparse top-k decode inside the graphs: the staged top-k (0 for a dense row and the padded
-    rows), the graph's own selected-block buffer and the summaries and counter at their fixed
+    """Sparse top-k decode inside the graphs: the step's top-k copied into the graph's input (0
+    for a dense row; the padded rows staged 0), and the summaries and counter at their fixed
     addresses give the eager sparse step's hidden states and blocks attended."""
     from tierserve.engine.config import SparseConfig
     from tierserve.engine.sparse import SparseDecoder
@@ -274,11 +274,12 @@ def test_sparse_replay_matches_the_eager_sparse_step():
     graph_caches = [c.clone() for c in caches]
     graphs.capture(graph_caches, scratch, pool_blocks=scratch, graphs=False)
     decoder.accumulator.zero_()  # capture ran every graph once on padding rows (all dense)
-    got, _ = graphs.replay(layout, buffers, np.array(topk))
+    plan = SparseStep(decoder.summaries, 1, torch.tensor(topk), None, decoder.accumulator)
+    got = graphs.upload(layout, buffers, plan).run()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     attended = sum(min(k, -(-n // bs)) for n, k in zip(contexts, topk) if k) * 2  # x KV heads
     assert eager_stats[0] == decoder.accumulator[0] == attended  # one sparse layer
-    dense, _ = graphs.replay(layout, buffers, None)  # no plan: every row dense
+    dense = graphs.upload(layout, buffers, None).run()  # no plan: every row dense
     assert not torch.allclose(dense, got, rtol=1e-3, atol=1e-3)
 
 

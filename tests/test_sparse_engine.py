@@ -6,14 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
+import torch
 
 from server_fixtures import run_server, scrape
+from tierserve.engine.batch_buffers import BatchBuffers
 from tierserve.engine.config import SparseConfig
 from tierserve.engine.kv_hints import KVHints
 from tierserve.engine.llm import LLM, build_config
+from tierserve.engine.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.scheduler import ScheduledRequest
+from tierserve.engine.sparse import SparseDecoder, choose_rows
 from tierserve.engine.sparse_eval import agreement, teacher_forced
 
 TEXT = Path(__file__).parent / "data" / "long_text.md"
@@ -33,6 +39,58 @@ def test_topk_rule():
         build_config(sparse_topk_blocks=1)
     with pytest.raises(ValueError, match=r"topk_ratio must be in \(0, 1\]"):
         build_config(sparse_topk_ratio=1.5)
+
+
+def test_rows_follow_the_config_rule_with_a_dense_mask():
+    """choose_rows is SparseConfig.topk over a batch at once; a dense row is said by the mask
+    and attends every block, and a request's opt-out makes its row dense."""
+    ctx = np.arange(1, 5000, 7)
+    for cfg in (SparseConfig(topk_blocks=8, min_context=1024),
+                SparseConfig(topk_ratio=0.3, min_context=0),
+                SparseConfig(topk_blocks=100, min_context=0)):
+        rows = choose_rows(cfg, ctx, np.zeros(len(ctx), dtype=bool), 16)
+        assert [0 if d else int(k) for k, d in zip(rows.topk, rows.dense)] == \
+            [cfg.topk(int(n), 16) for n in ctx]
+        assert (rows.topk[rows.dense] == rows.blocks[rows.dense]).all()
+    rows = choose_rows(SparseConfig(topk_blocks=8, min_context=0), np.array([4096, 4096]),
+                       np.array([True, False]), 16)
+    assert rows.dense.tolist() == [True, False] and rows.topk.tolist() == [256, 8]
+
+
+def _decodes(contexts_and_hints, bs=16):
+    """A decode step of (context length, sparse_attention hint) rows, blocks numbered in order."""
+    sched, first = [], 0
+    for i, (n, hint) in enumerate(contexts_and_hints):
+        blocks = tuple(range(first, first + -(-n // bs)))
+        first += len(blocks)
+        req = Request(RequestId(f"r{i}"), [1] * n, SamplingParams(max_tokens=1), 1,
+                      hints=KVHints(sparse_attention=hint))
+        sched.append(ScheduledRequest(req, n - 1, 1, blocks, True))
+    return tuple(sched)
+
+
+def test_plan_hands_the_kernels_zero_only_for_dense_rows():
+    """The decoder's plan: the kernels' top-k is 0 exactly for the dense rows (opted out, short),
+    the stats count the sparse rows' blocks, the kernels' counter moves into them after the step,
+    and a step without a sparse row has no plan and counts nothing."""
+    cfg = SparseConfig(topk_blocks=4, min_context=100, dense_layers=1)
+    decoder = SparseDecoder(cfg, 3, 2, 8, 16, torch.device("cpu"))
+    decoder.allocate(64)
+    buffers = BatchBuffers(8, 64, 16, 2)
+    sched = _decodes([(200, None), (200, False), (50, None), (160, True)])
+    layout, _ = buffers.write_step(sched, 16)
+    step = decoder.prepare(sched, layout, buffers)
+    assert step.topk.tolist() == [4, 0, 0, 4]
+    assert step.max_blocks == 13 and step.selected.shape == (4, 2, 4)  # widest: a dense row
+    assert (decoder.stats.steps, decoder.stats.blocks_total) == (1, (13 + 10) * 2 * 2)
+    caches = [torch.randn(2, 2, 64 * 16, 8) for _ in range(3)]
+    decoder.accumulator[0] = 5
+    decoder.after_step(caches, layout.slot_mapping, step)
+    assert decoder.stats.blocks_attended == 5 and decoder.accumulator[0] == 0
+    dense = _decodes([(200, False), (50, None)])
+    before = decoder.stats
+    assert decoder.prepare(dense, buffers.write_step(dense, 16)[0], buffers) is None
+    assert decoder.stats == before
 
 
 @pytest.fixture(scope="module")
