@@ -140,12 +140,12 @@ class SparseConfig:
     def enabled(self) -> bool:
         return self.topk_blocks is not None or self.topk_ratio is not None
 
-    def topk(self, context_len: int, block_size: int) -> int:
-        """Blocks this sequence attends (at most all of them), or 0: dense, by the sparse kernel's
-        own dense path (short context, or at most two blocks)."""
+    def topk(self, context_len: int, block_size: int) -> int | None:
+        """Blocks this sequence attends (at most all of them), or None: dense (short context, or
+        at most two blocks). The one-sequence form of engine.sparse.choose_rows."""
         blocks = -(-context_len // block_size)
         if not self.enabled or context_len < self.min_context or blocks <= 2:
-            return 0
+            return None
         k = self.topk_blocks if self.topk_blocks is not None else math.ceil(self.topk_ratio * blocks)
         return min(blocks, max(2, k))  # the first and the newest block are always kept
 

@@ -28,13 +28,13 @@ TEXT = Path(__file__).parent / "data" / "long_text.md"
 
 def test_topk_rule():
     cfg = SparseConfig(topk_blocks=8, min_context=1024)
-    assert cfg.topk(1023, 16) == 0  # below min_context: dense
+    assert cfg.topk(1023, 16) is None  # below min_context: dense
     assert cfg.topk(4096, 16) == 8
     assert SparseConfig(topk_ratio=0.25, min_context=0).topk(4096, 16) == 64
     assert SparseConfig(topk_ratio=0.25, min_context=0).topk(33, 16) == 2  # 3 blocks, at least 2
     assert SparseConfig(topk_blocks=100, min_context=0).topk(100, 16) == 7  # at most every block
-    assert SparseConfig(topk_blocks=8, min_context=0).topk(32, 16) == 0  # two blocks: dense
-    assert SparseConfig().topk(10_000, 16) == 0  # off
+    assert SparseConfig(topk_blocks=8, min_context=0).topk(32, 16) is None  # two blocks: dense
+    assert SparseConfig().topk(10_000, 16) is None  # off
     with pytest.raises(ValueError, match="topk_blocks must be >= 2"):
         build_config(sparse_topk_blocks=1)
     with pytest.raises(ValueError, match=r"topk_ratio must be in \(0, 1\]"):
@@ -49,7 +49,7 @@ def test_rows_follow_the_config_rule_with_a_dense_mask():
                 SparseConfig(topk_ratio=0.3, min_context=0),
                 SparseConfig(topk_blocks=100, min_context=0)):
         rows = choose_rows(cfg, ctx, np.zeros(len(ctx), dtype=bool), 16)
-        assert [0 if d else int(k) for k, d in zip(rows.topk, rows.dense)] == \
+        assert [None if d else int(k) for k, d in zip(rows.topk, rows.dense)] == \
             [cfg.topk(int(n), 16) for n in ctx]
         assert (rows.topk[rows.dense] == rows.blocks[rows.dense]).all()
     rows = choose_rows(SparseConfig(topk_blocks=8, min_context=0), np.array([4096, 4096]),
