@@ -187,6 +187,10 @@ class EngineConfig:
     """Backend timings written by `tierserve bench-backends`; None: ~/.cache/tierserve/."""
     num_threads: int | None = None
     """Torch intra-op threads; None uses the cores available to this process."""
+    stack_decode_min_batch: int = 1
+    """Decode-only steps of at least this many sequences run every layer in one native call
+    (kernels/csrc/decode_forward.cpp); 0 keeps every step layer by layer. build_config takes it
+    from TIERSERVE_STACK_DECODE_MIN_BATCH when not given."""
     cuda_graphs: bool = False
     """Replay decode-only steps from CUDA graphs captured at start-up, one per batch-size bucket
     and block-table width (engine/cuda_graphs.py); needs a CUDA device and a decode backend with

@@ -50,6 +50,9 @@ def build_config(**kwargs) -> EngineConfig:
     sparse = {k: v for k, v in flat.items() if v is not None}
     if isinstance(kwargs.get("sparse"), SparseConfig):
         sparse = {**dataclasses.asdict(kwargs.pop("sparse")), **sparse}
+    if "TIERSERVE_STACK_DECODE_MIN_BATCH" in os.environ:  # a tuning knob, read here, not at import
+        kwargs.setdefault("stack_decode_min_batch",
+                          int(os.environ["TIERSERVE_STACK_DECODE_MIN_BATCH"]))
     valid = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_tiers", "sparse"}
     unknown = set(kwargs) - valid
     if unknown:

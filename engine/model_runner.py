@@ -129,6 +129,7 @@ class ModelRunner:
 
     def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
+        model.stack_decode_min_batch = self.config.stack_decode_min_batch
         model.load_weights(weights)
         for p in model.parameters():  # buffers (the RoPE table) stay fp32
             p.data = p.data.to(device=self.device, dtype=self.dtype)

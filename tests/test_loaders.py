@@ -128,7 +128,7 @@ def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path, mon
     assert _our_greedy(llm, prompt_ids[1]) == expected[1:2]  # token ids, alone
     # decode steps of any size in one native call (csrc/decode_forward.cpp; not for q/k norms)
     model = llm.engine.runner.model
-    monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
+    monkeypatch.setattr(model, "stack_decode_min_batch", 1)
     assert _our_greedy(llm, PROMPTS) == expected
 
 

@@ -210,11 +210,11 @@ def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypa
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        monkeypatch.setattr(type(model), "stack_decode_min_batch", 1)
+        monkeypatch.setattr(model, "stack_decode_min_batch", 1)
         one_call = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}")
         assert counting.calls >= 8  # the steps after the last prefill chunk
         assert counting.teams == {threads}
-        monkeypatch.setattr(type(model), "stack_decode_min_batch", 0)
+        monkeypatch.setattr(model, "stack_decode_min_batch", 0)
         calls = counting.calls
         by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}")
         assert counting.calls == calls

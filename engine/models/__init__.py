@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from tierserve._lazy import lazy_class
 
 MODELS: dict[str, str] = {
     "llama": "tierserve.engine.models.llama:LlamaForCausalLM",
@@ -13,7 +13,4 @@ MODELS: dict[str, str] = {
 
 
 def model_class(architecture: str):
-    if architecture not in MODELS:
-        raise ValueError(f"unknown architecture {architecture!r} (valid: {', '.join(MODELS)})")
-    module, cls = MODELS[architecture].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return lazy_class(MODELS, architecture, "architecture")

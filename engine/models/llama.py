@@ -6,7 +6,6 @@ paged KV cache and the step's metadata through the forward context (kernels.cont
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -172,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
-    stack_decode_min_batch = int(os.environ.get("TIERSERVE_STACK_DECODE_MIN_BATCH", "1"))
-    """Decode-only steps of at least this many sequences run the whole layer stack in one native
+    stack_decode_min_batch = 1
+    """EngineConfig.stack_decode_min_batch (the runner sets it). Decode-only steps of at least this many sequences run the whole layer stack in one native
     call, by a team of torch's threads that split every GEMM's weights and the attention rows and
     meet at spin barriers; 0 keeps every step layer by layer. The team does the layer-by-layer
     path's work split without its ~150 thread hand-offs and Python calls per step. Measured on a
