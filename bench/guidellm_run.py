@@ -29,8 +29,8 @@ def export_tokenizer(model: str, folder: Path) -> Path:
     """tokenizer.json + tokenizer_config.json of the served model, readable by AutoTokenizer."""
     from gguf import GGUFReader
 
-    from tierserve.engine.loaders import resolve_path
-    from tierserve.engine.loaders.gguf_loader import _field, _tokenizer
+    from tierserve.engine.worker.loaders import resolve_path
+    from tierserve.engine.worker.loaders.gguf_loader import _field, _tokenizer
 
     path = resolve_path(model)
     reader = GGUFReader(path)

@@ -78,7 +78,7 @@ FD_SLACK = 12
 replaced after S3 restarts, so the socket count may differ by up to 10; 2 more for a connection
 the server is still closing. Every other fd (files, pipes, epoll, eventfd) must come back."""
 THREAD_SLACK = 16
-"""The server's thread pools start a worker on demand and keep it: kv-fetch (4, engine/kv_worker.py),
+"""The server's thread pools start a worker on demand and keep it: kv-fetch (4, engine/worker/kv_worker.py),
 kv-load (4, TierConfig.load_workers) and kv-s3-probe (8, s3_probe_batch), 16 in all. A warm-up
 may not reach each pool's peak concurrency, so up to 16 more may appear later; every other thread
 (engine loop, tier writers, torch's) starts with the server. A per-request leak passes 16 within

@@ -34,11 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from tierserve.engine.kv_hints import KVHints  # noqa: E402
+from tierserve.engine.core.kv_hints import KVHints  # noqa: E402
 from tierserve.engine.llm import LLM  # noqa: E402
-from tierserve.engine.request import Request, RequestId  # noqa: E402
+from tierserve.engine.core.request import Request, RequestId  # noqa: E402
 from tierserve.engine.sampling_params import SamplingParams  # noqa: E402
-from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # sparse_fixtures: the kernel tests' random batches
@@ -153,7 +153,7 @@ def metadata(repeat: int) -> dict:
 
 def accuracy_at(ratio: float, block_size: int, start: int, positions: int) -> dict:
     """Teacher-forced agreement and perplexity, sparse K = ratio of the blocks against dense."""
-    from tierserve.engine.sparse_eval import agreement, teacher_forced
+    from tierserve.engine.worker.sparse_eval import agreement, teacher_forced
 
     text = (ROOT / "tests" / "data" / "long_text.md").read_text()
     n = start + positions

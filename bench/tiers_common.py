@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # s3_fixtures: the tests' Seawe
 
 from s3_fixtures import CREDENTIALS, weed_server  # noqa: E402
 from tierserve import LLM, KVHints, SamplingParams  # noqa: E402
-from tierserve.engine.block_hash import extend_hashes  # noqa: E402
+from tierserve.engine.core.block_hash import extend_hashes  # noqa: E402
 from tierserve.engine.kv_tiers.config import TierConfig  # noqa: E402
 
 TIERS = ("cpu", "disk", "s3")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tierserve.engine.info import EngineInfo
-from tierserve.engine.kv_hints import KVHints
+from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams

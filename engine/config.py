@@ -193,7 +193,7 @@ class EngineConfig:
     from TIERSERVE_STACK_DECODE_MIN_BATCH when not given."""
     cuda_graphs: bool = False
     """Replay decode-only steps from CUDA graphs captured at start-up, one per batch-size bucket
-    and block-table width (engine/cuda_graphs.py); needs a CUDA device and a decode backend with
+    and block-table width (engine/worker/cuda_graphs.py); needs a CUDA device and a decode backend with
     static metadata (triton). Elsewhere steps run eagerly, with a warning at start-up."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from tierserve.engine.device import DeviceChoice, DtypeChoice
+from tierserve.engine.worker.device import DeviceChoice, DtypeChoice
 from tierserve.engine.kv_tiers.media import TierDescriptor
 
 

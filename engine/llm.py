@@ -9,7 +9,7 @@ from typing import Sequence
 
 from tierserve.engine.config import (CacheConfig, EngineConfig, SchedulerConfig, SparseConfig,
                                      parse_bytes)
-from tierserve.engine.kv_hints import KVHints
+from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.kv_tiers.config import TierConfig, default_cpu_bytes, default_disk_bytes
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
@@ -102,7 +102,7 @@ class LLM:
                  use_tqdm: bool = False, priority: Sequence[int] | None = None,
                  kv_hints: KVHints | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; n > 1 gives n outputs per prompt.
-        kv_hints steer the KV tiers for every prompt (tierserve.engine.kv_hints.KVHints)."""
+        kv_hints steer the KV tiers for every prompt (tierserve.engine.core.kv_hints.KVHints)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()

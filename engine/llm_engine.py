@@ -10,25 +10,25 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierserve.engine.block_hash import fingerprint, scope_key
-from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.core.block_hash import fingerprint, scope_key
+from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
+from tierserve.engine.worker.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.info import EngineInfo, SparseStatus
 from tierserve.engine.env import configure_threads, set_omp_env
-from tierserve.engine.loaders import load_model_source
-from tierserve.engine.kv_hints import NO_HINTS, KVHints
+from tierserve.engine.worker.loaders import load_model_source
+from tierserve.engine.core.kv_hints import NO_HINTS, KVHints
 from tierserve.engine.kv_tiers.config import TierConfig, describe_tiers
 from tierserve.engine.kv_tiers.manager import TierManager
-from tierserve.engine.model_runner import ModelRunner
+from tierserve.engine.worker.model_runner import ModelRunner
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
-from tierserve.engine.request import Request, RequestId, RequestStatus
-from tierserve.engine.sampler import TopLogprobs
+from tierserve.engine.core.request import Request, RequestId, RequestStatus
+from tierserve.engine.worker.sampler import TopLogprobs
 from tierserve.engine.sampling_params import ParamError, SamplingParams
-from tierserve.engine.scheduler import Scheduler
-from tierserve.engine.kv_connector import KVConnectorScheduler, NoKVConnector
-from tierserve.engine.kv_worker import KVConnectorWorker, NoKVWorker
+from tierserve.engine.core.scheduler import Scheduler
+from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
+from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierserve.engine.sampler import TopLogprobs
-from tierserve.engine.tier_policy import TierDecision
+from tierserve.engine.worker.sampler import TopLogprobs
+from tierserve.engine.core.tier_policy import TierDecision
 
 
 @dataclass

@@ -81,7 +81,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     cuda_graphs: ClassVar[bool] = False
-    """Decode metadata can be built from static device tensors (engine/cuda_graphs.py)."""
+    """Decode metadata can be built from static device tensors (engine/worker/cuda_graphs.py)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  kv_scale: float = 1.0, device: torch.device | str = "cpu",

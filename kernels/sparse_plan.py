@@ -1,10 +1,10 @@
-"""What a sparse decode step hands the attention backends (built by engine/sparse.py).
+"""What a sparse decode step hands the attention backends (built by engine/worker/sparse.py).
 
 Quest-style page selection: every full KV block keeps the element-wise min and max of its keys per
 KV head (its summary); a decode query scores each block by the upper bound of q.k those give and
 attends only the top-k blocks of each (sequence, KV head), always with the first and the newest.
 
-The engine says which decodes attend densely with a mask (engine/sparse.py: RowChoice). The
+The engine says which decodes attend densely with a mask (engine/worker/sparse.py: RowChoice). The
 kernels (csrc/sparse_decode.cpp, kernels/triton_kernels.py, the torch oracle kernels/sparse.py)
 take one int64 per row instead, 0 selecting their dense path; kernel_topk() is the one place that
 writes that encoding.

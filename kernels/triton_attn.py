@@ -92,7 +92,7 @@ class TritonBackend(AttentionBackend):
 
     def static_decode_metadata(self, tables: torch.Tensor, lens: torch.Tensor,
                                page_size: int) -> TritonMeta:
-        """Decode-only metadata over device tensors a CUDA graph keeps (engine/cuda_graphs.py):
+        """Decode-only metadata over device tensors a CUDA graph keeps (engine/worker/cuda_graphs.py):
         tables [batch, width] int64, lens [batch] int32, refilled before every replay. The
         splits are python ints baked into the graph, so they are sized for the longest context
         the width admits (width * page_size), not for the batch's longest. The kernel reads each

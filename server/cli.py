@@ -361,8 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tierserve.engine.device import DeviceError
-    from tierserve.engine.loaders import ModelLoadError
+    from tierserve.engine.worker.device import DeviceError
+    from tierserve.engine.worker.loaders import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:

@@ -201,7 +201,7 @@ def _engine_sections() -> list[str]:
 
 
 def _hints_section() -> str:
-    from tierserve.engine.kv_hints import KVHints
+    from tierserve.engine.core.kv_hints import KVHints
 
     docs = field_docs(KVHints)
     rows = [(f"`{f.name}`", HINT_SOURCES.get(f.name, "see [headers.md](headers.md)"),
@@ -209,7 +209,7 @@ def _hints_section() -> str:
             for f in dataclasses.fields(KVHints)]
     return "\n\n".join([
         "## Per-request KV hints (`KVHints`)",
-        "engine/kv_hints.py. Not server settings: each request sends its own, as headers or "
+        "engine/core/kv_hints.py. Not server settings: each request sends its own, as headers or "
         "vLLM's `kv_transfer_params` body field ([headers.md](headers.md)); offline, "
         "`LLM.generate(..., kv_hints=KVHints(...))`. A field left unset falls back to the "
         "server's `default_*` settings above, then to the scheduler's cost model.",

@@ -52,7 +52,7 @@ class _SnapshotCollector:
         yield _histogram("vllm:iteration_tokens_total", "Tokens run per engine step.",
                          s.iteration_tokens, lbl)
         yield _histogram("tierserve:block_table_width", "Block-table width per step, in blocks "
-                         "(a power of two: the width rule of engine/batch_buffers.py).",
+                         "(a power of two: the width rule of engine/worker/batch_buffers.py).",
                          s.table_width, lbl)
         yield _histogram("tierserve:step_metadata_bytes", "Bytes of metadata views per step.",
                          s.metadata_bytes, lbl)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from tierserve.engine.kv_hints import KVHints, SloClass
+from tierserve.engine.core.kv_hints import KVHints, SloClass
 from tierserve.engine.kv_tiers.media import TierDescriptor
-from tierserve.engine.tier_policy import TierDecision
+from tierserve.engine.core.tier_policy import TierDecision
 from tierserve.server.errors import ApiError, bad_request
 
 _MEDIA, _LOCALITIES = ("CPU", "STORAGE"), ("LOCAL", "REMOTE")

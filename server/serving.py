@@ -22,8 +22,8 @@ from tierserve.server.auth import caller
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
-from tierserve.engine.kv_hints import KVHints
-from tierserve.engine.tier_policy import TierDecision
+from tierserve.engine.core.kv_hints import KVHints
+from tierserve.engine.core.tier_policy import TierDecision
 from tierserve.engine.kv_tiers.media import TierDescriptor
 from tierserve.server.policy import applied_params, parse_hints, policy_header
 from tierserve.server.protocol import ChatCompletionRequest, _SamplingFields

@@ -15,8 +15,9 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tierserve.engine import LLM, loaders  # noqa: E402
-from tierserve.engine.loaders import resolve_path  # noqa: E402
+from tierserve.engine import LLM  # noqa: E402
+from tierserve.engine.worker import loaders  # noqa: E402
+from tierserve.engine.worker.loaders import resolve_path  # noqa: E402
 
 # Engines built in this process reuse the embedded model's parsed, dequantized weights (servers the
 # tests start as subprocesses load their own). Every load still goes through load_model_source.

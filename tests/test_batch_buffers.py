@@ -1,4 +1,4 @@
-"""Fixed-capacity step buffers and their per-batch views (engine/batch_buffers.py): the width rule,
+"""Fixed-capacity step buffers and their per-batch views (engine/worker/batch_buffers.py): the width rule,
 shapes, strides and padding the backends see, and that steady-state steps allocate nothing."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tierserve.engine.batch_buffers import PAD_BLOCK, BatchBuffers, active_width
+from tierserve.engine.worker.batch_buffers import PAD_BLOCK, BatchBuffers, active_width
 from tierserve.engine.llm import LLM
-from tierserve.engine.request import Request, RequestId
+from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class CountAllocations(TorchDispatchMode):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tierserve.engine.block_hash import ROOT, extend_hashes, hash_block
-from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.core.block_hash import ROOT, extend_hashes, hash_block
+from tierserve.engine.core.block_pool import BlockPool
 
 
 def hashes(tokens, bs=4, extra=b"m"):
@@ -19,8 +19,8 @@ def test_no_torch_needed(tmp_path):
     """The scheduler, the block pool and the scheduler side of the KV connector (with the tier
     policy) import no torch, directly or through a package __init__."""
     code = ("import sys\n"
-            "import tierserve, tierserve.engine.scheduler, tierserve.engine.block_pool\n"
-            "import tierserve.engine.kv_connector, tierserve.engine.tier_policy\n"
+            "import tierserve, tierserve.engine.core.scheduler, tierserve.engine.core.block_pool\n"
+            "import tierserve.engine.core.kv_connector, tierserve.engine.core.tier_policy\n"
             "from tierserve.engine.sampling_params import SamplingParams\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,

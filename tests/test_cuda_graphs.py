@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (engine/cuda_graphs.py) on the CPU: which graphs exist and which steps
+"""Decode CUDA graphs (engine/worker/cuda_graphs.py) on the CPU: which graphs exist and which steps
 replay one, how a batch is padded to its bucket, the flag's plumbing, the CPU fallback, and the
 replay path's inputs and metadata run uncaptured against the eager step (triton under
 TRITON_INTERPRET=1, set before triton is first imported). Capture itself needs a GPU:
@@ -19,12 +19,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tierserve.engine.batch_buffers import PAD_BLOCK, BatchBuffers  # noqa: E402
+from tierserve.engine.worker.batch_buffers import PAD_BLOCK, BatchBuffers  # noqa: E402
 from tierserve.engine.config import ModelConfig  # noqa: E402
-from tierserve.engine.cuda_graphs import (DecodeGraphs, Staging, batch_buckets,  # noqa: E402
+from tierserve.engine.worker.cuda_graphs import (DecodeGraphs, Staging, batch_buckets,  # noqa: E402
                                           graph_widths, graphs_refusal, smallest_at_least,
                                           stage_decode)
-from tierserve.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from tierserve.engine.worker.models.llama import LlamaForCausalLM  # noqa: E402
 from tierserve.kernels import (BatchLayout, ForwardContext, create_backend,  # noqa: E402
                                forward_context)
 from tierserve.kernels.composite import PhaseSplit  # noqa: E402
@@ -144,7 +144,7 @@ def test_cpu_engine_warns_and_generates_the_same_tokens(caplog):
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "1, 2, 3,"]
-    with caplog.at_level(logging.WARNING, logger="tierserve.engine.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="tierserve.engine.worker.cuda_graphs"):
         graphs = LLM(kv_cache_memory_bytes=1 << 26, device="cpu", cuda_graphs=True)
     assert any("--cuda-graphs" in r.message and "device is cpu" in r.message
                for r in caplog.records)
@@ -248,7 +248,7 @@ def test_sparse_replay_matches_the_eager_sparse_step():
     for a dense row; the padded rows staged 0), and the summaries and counter at their fixed
     addresses give the eager sparse step's hidden states and blocks attended."""
     from tierserve.engine.config import SparseConfig
-    from tierserve.engine.sparse import SparseDecoder
+    from tierserve.engine.worker.sparse import SparseDecoder
     from tierserve.kernels.sparse import block_summaries
     from tierserve.kernels.sparse_plan import SparseStep
 

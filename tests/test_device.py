@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tierserve.engine.device import (DeviceError, choose_device, choose_dtype, detect,
+from tierserve.engine.worker.device import (DeviceError, choose_device, choose_dtype, detect,
                                      gpu_kv_cache_bytes)
 
 GiB = 1 << 30

@@ -19,18 +19,18 @@ import uvicorn
 
 from s3_fixtures import BUCKET
 from server_fixtures import MODEL, free_port, run_server
-from tierserve.engine.kv_connector import KVConnectorScheduler, PolicyCounters
-from tierserve.engine.kv_worker import KVConnectorWorker
-from tierserve.engine.block_hash import extend_hashes, fingerprint
-from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.core.kv_connector import KVConnectorScheduler, PolicyCounters
+from tierserve.engine.worker.kv_worker import KVConnectorWorker
+from tierserve.engine.core.block_hash import extend_hashes, fingerprint
+from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.kv_tiers import codec
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                               EventLog)
 from tierserve.engine.kv_tiers.manager import TierManager
-from tierserve.engine.request import Request, RequestId
+from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import FullBlock
+from tierserve.engine.core.scheduler import FullBlock
 from tierserve.server.app import build_app
 from tierserve.server.config import ServerConfig
 from tierserve.server.routes import kv_events

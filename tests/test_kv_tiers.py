@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from s3_fixtures import BUCKET, free_port, hanging_endpoint
-from tierserve.engine.block_hash import extend_hashes, fingerprint
+from tierserve.engine.core.block_hash import extend_hashes, fingerprint
 from tierserve.engine.kv_tiers import codec
 from tierserve.engine.kv_tiers.breaker import BreakerState, CircuitBreaker
 from tierserve.engine.kv_tiers.config import TierConfig

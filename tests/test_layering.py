@@ -8,7 +8,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from tierserve.engine.request import Request
+from tierserve.engine.core.request import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = re.compile(r"\.engine\.engine\b|\bengine\.engine\.|\.runner\b|\.tier_io\b|"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tierserve.engine import LLM, SamplingParams
-from tierserve.engine.loaders import ModelLoadError, ModelSource, load_model_source
+from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, load_model_source
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -460,7 +460,7 @@ def test_hf_dir_bos_like_transformers(hf_dir, bos_by):
 def test_kept_gguf_source_is_reused_only_while_the_file_is_unchanged(embedded, tmp_path):
     """With KEEP_LAST_GGUF (on in the test suite) a second load of the same file shares the
     tensors, each load with a dict of its own; a file changed since (its mtime) is loaded afresh."""
-    from tierserve.engine import loaders
+    from tierserve.engine.worker import loaders
     assert loaders.KEEP_LAST_GGUF
     path = tmp_path / "tiny.gguf"
     _write_llama_gguf(_hf_model(transformers.LlamaConfig, seed=1), path, embedded.path)

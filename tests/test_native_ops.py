@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tierserve.engine import SamplingParams
-from tierserve.engine.models.layers import RotaryEmbedding, rope_inv_freq
+from tierserve.engine.worker.models.layers import RotaryEmbedding, rope_inv_freq
 from tierserve.kernels.native import load_extension
 
 ext = load_extension()

@@ -12,7 +12,7 @@ import pytest
 from delay_proxy import delay_proxy
 from s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY
 from tierserve import LLM, KVHints, SamplingParams, SloClass, TierConfig
-from tierserve.engine.tier_policy import SkipReason
+from tierserve.engine.core.tier_policy import SkipReason
 from tierserve.server.policy import policy_header
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -133,7 +133,7 @@ def test_route_cli_json(capsys):
 
 
 def test_backends_endpoint():
-    from tierserve.engine.device import DeviceChoice, DtypeChoice
+    from tierserve.engine.worker.device import DeviceChoice, DtypeChoice
     from tierserve.engine.info import EngineInfo, SparseStatus
     from tierserve.server.routes import backends
     routes = route_phases(q("cpu", None, F32, 64, 9, 3, "fp8_e4m3"))

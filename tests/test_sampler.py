@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tierserve.engine.sampler import Sampler, SampleRow
+from tierserve.engine.worker.sampler import Sampler, SampleRow
 from tierserve.engine.sampling_params import SamplingParams
 
 VOCAB = 1000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierserve.engine.sampler import Sampler, SampleRow
+from tierserve.engine.worker.sampler import Sampler, SampleRow
 from tierserve.engine.sampling_params import SamplingParams as P
 
 VOCAB = 512

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.config import SchedulerConfig
-from tierserve.engine.request import Request, RequestId, RequestStatus
+from tierserve.engine.core.request import Request, RequestId, RequestStatus
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import Scheduler
+from tierserve.engine.core.scheduler import Scheduler
 
 
 def make(num_blocks=64, bs=4, **kw):
@@ -95,7 +95,7 @@ def test_abort_in_any_state_frees_blocks():
 
 
 def test_interactive_requests_are_admitted_before_batch_and_priority_wins():
-    from tierserve.engine.kv_hints import KVHints, SloClass
+    from tierserve.engine.core.kv_hints import KVHints, SloClass
 
     def hinted(rid, cls, t, priority=0):
         r = req(rid, 4, t=t, priority=priority, base=100 * t)

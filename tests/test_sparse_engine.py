@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from server_fixtures import run_server, scrape
-from tierserve.engine.batch_buffers import BatchBuffers
+from tierserve.engine.worker.batch_buffers import BatchBuffers
 from tierserve.engine.config import SparseConfig
-from tierserve.engine.kv_hints import KVHints
+from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.llm import LLM, build_config
-from tierserve.engine.request import Request, RequestId
+from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import ScheduledRequest
-from tierserve.engine.sparse import SparseDecoder, choose_rows
-from tierserve.engine.sparse_eval import agreement, teacher_forced
+from tierserve.engine.core.scheduler import ScheduledRequest
+from tierserve.engine.worker.sparse import SparseDecoder, choose_rows
+from tierserve.engine.worker.sparse_eval import agreement, teacher_forced
 
 TEXT = Path(__file__).parent / "data" / "long_text.md"
 """Prose from the project's docs, frozen: ~6,200 tokens of natural English."""
@@ -95,7 +95,7 @@ def test_plan_hands_the_kernels_zero_only_for_dense_rows():
 
 @pytest.fixture(scope="module")
 def long_ids() -> list[int]:
-    from tierserve.engine.loaders import load_model_source
+    from tierserve.engine.worker.loaders import load_model_source
     from tierserve.engine.tokenizer import TextTokenizer
 
     tok = TextTokenizer(load_model_source("smollm2-135m").tokenizer)
@@ -171,7 +171,7 @@ def test_teacher_forced_agreement(long_ids, ratio=0.5, floor=0.95):
 
 
 def test_server_sparse_header_and_metrics(tmp_path, long_ids):
-    from tierserve.engine.loaders import load_model_source
+    from tierserve.engine.worker.loaders import load_model_source
     from tierserve.engine.tokenizer import TextTokenizer
 
     prompt = TextTokenizer(load_model_source("smollm2-135m").tokenizer).decode(long_ids[:600])

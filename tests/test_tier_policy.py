@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierserve.engine.kv_hints import KVHints, SloClass
+from tierserve.engine.core.kv_hints import KVHints, SloClass
 from tierserve.engine.kv_tiers.media import Locality, Medium, TierDescriptor
-from tierserve.engine.tier_policy import CostModel, SkipReason, TierPolicy
+from tierserve.engine.core.tier_policy import CostModel, SkipReason, TierPolicy
 from tierserve.server.errors import ApiError
 from tierserve.server.policy import parse_hints, policy_header
 

@@ -12,7 +12,7 @@ import pytest
 from s3_fixtures import BUCKET, free_port, hanging_endpoint
 from tierserve import LLM, SamplingParams
 from tierserve.engine.kv_tiers.config import TierConfig
-from tierserve.engine.request import RequestStatus
+from tierserve.engine.core.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT_LEN = 1000
@@ -187,7 +187,7 @@ def test_corrupt_and_truncated_disk_blocks_are_misses_and_removed(tmp_path, long
 
 def _prompt_block_files(llm: LLM, prompt: list[int], by_key: dict) -> list:
     """The disk files of the prompt's blocks, in prompt order."""
-    from tierserve.engine.block_hash import extend_hashes
+    from tierserve.engine.core.block_hash import extend_hashes
 
     hashes: list = []
     extend_hashes(hashes, prompt, 16, llm.engine.fingerprint)
@@ -221,7 +221,7 @@ def test_blocks_the_device_evicts_are_demoted_to_cpu(corpus_ids):
 def test_blocks_loaded_from_s3_are_promoted_to_disk(weed, s3_creds, tmp_path, long_prompt, cold):
     """A prefix only s3 holds is loaded from s3 and written to disk on the way, so the next load
     is local; a request that may not store to disk promotes nothing. Tokens stay cold's."""
-    from tierserve.engine.kv_hints import KVHints
+    from tierserve.engine.core.kv_hints import KVHints
     hit = HIT_TOKENS // 16
     tiers = TierConfig(tiers=("disk", "s3"), disk_dir=str(tmp_path / "kv"), disk_bytes=256 << 20,
                        s3_bucket=BUCKET, s3_endpoint_url=weed.endpoint_url, s3_region="us-east-1",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tierserve.engine.loaders import load_model_source
+from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -29,8 +29,8 @@ _LAZY = {
     "ParamError": "tierserve.engine.sampling_params",
     "RequestOutput": "tierserve.engine.outputs",
     "CompletionOutput": "tierserve.engine.outputs",
-    "KVHints": "tierserve.engine.kv_hints",
-    "SloClass": "tierserve.engine.kv_hints",
+    "KVHints": "tierserve.engine.core.kv_hints",
+    "SloClass": "tierserve.engine.core.kv_hints",
     "TierConfig": "tierserve.engine.kv_tiers.config",
 }
 

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.errors import CorruptPayload, TierError, TierUnavailable
 from tierserve.engine.kv_tiers.events import BlockMeta, TierEvents
 from tierserve.engine.kv_tiers.media import Locality, Medium

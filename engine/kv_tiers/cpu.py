@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.errors import TierError, TierMiss

@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers import codec
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.breaker import CircuitBreaker

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Iterator, NamedTuple, Sequence
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 
 BlockMeta = tuple[BlockHash | None, tuple[int, ...]]
 """(parent hash or None, token ids) of one stored block."""

@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.events import BlockMeta, EventLog

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers import codec
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.breaker import CircuitBreaker

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.events import BlockMeta
 

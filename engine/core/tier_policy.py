@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tierserve.engine.kv_hints import KVHints, SloClass
+from tierserve.engine.core.kv_hints import KVHints, SloClass
 from tierserve.engine.kv_tiers.media import TierDescriptor
 
 

@@ -27,7 +27,7 @@ import torch
 from tierserve.kernels.base import BatchLayout
 
 if TYPE_CHECKING:
-    from tierserve.engine.scheduler import ScheduledRequest
+    from tierserve.engine.core.scheduler import ScheduledRequest
 
 PAD_BLOCK = -1
 """Block-table padding: never a block id."""

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from tierserve.engine.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash
 
 
 @dataclass(eq=False)

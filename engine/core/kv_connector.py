@@ -1,6 +1,6 @@
 """The scheduler side of the KV connector: which tiers each request may use, and the plan of
 which blocks move where. Plain Python, no torch (as vLLM v1's scheduler-side connector); the
-worker side (engine/kv_worker.py) moves the bytes.
+worker side (engine/worker/kv_worker.py) moves the bytes.
 
     the step (LLMEngine.step)              this side                       the worker side
     -------------------------              ---------                       ---------------
@@ -14,7 +14,7 @@ worker side (engine/kv_worker.py) moves the bytes.
 
 The table of per-request tier state (decision, hit tokens, blocks stored, asked already) is this
 side's own, keyed by request id: the Request type carries no tier fields. Decisions come from the
-TierPolicy and the CostModel (engine/tier_policy.py), which the worker side feeds with measured
+TierPolicy and the CostModel (engine/core/tier_policy.py), which the worker side feeds with measured
 lookups, reads and copies; this side feeds it the prefill steps.
 """
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tierserve.engine.block_hash import BlockHash
-from tierserve.engine.block_pool import BlockPool, EvictedBlock
+from tierserve.engine.core.block_hash import BlockHash
+from tierserve.engine.core.block_pool import BlockPool, EvictedBlock
 from tierserve.engine.kv_tiers.events import BlockMeta
 from tierserve.engine.kv_tiers.media import TierDescriptor
-from tierserve.engine.request import Request, RequestId
-from tierserve.engine.scheduler import FullBlock
-from tierserve.engine.tier_policy import CostModel, SkipReason, TierDecision, TierPolicy
+from tierserve.engine.core.request import Request, RequestId
+from tierserve.engine.core.scheduler import FullBlock
+from tierserve.engine.core.tier_policy import CostModel, SkipReason, TierDecision, TierPolicy
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The worker side of the KV connector: moves blocks between the device cache and the tiers by
-the plans of the scheduler side (engine/kv_connector.py), and reports what finished.
+the plans of the scheduler side (engine/core/kv_connector.py), and reports what finished.
 
     start(loads)       each LoadJob on the fetch thread: manager.lookup, then start_load and a
                        wait bounded by the job's deadline (arrival + TTFT budget) or load_timeout_s
@@ -23,11 +23,11 @@ from typing import Sequence
 
 import torch
 
-from tierserve.engine.block_hash import BlockHash
-from tierserve.engine.kv_connector import BlockCopy, FetchedRun, LoadJob, Placement
+from tierserve.engine.core.block_hash import BlockHash
+from tierserve.engine.core.kv_connector import BlockCopy, FetchedRun, LoadJob, Placement
 from tierserve.engine.kv_tiers.manager import TierManager
-from tierserve.engine.request import RequestId
-from tierserve.engine.tier_policy import CostModel
+from tierserve.engine.core.request import RequestId
+from tierserve.engine.core.tier_policy import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
-from tierserve.engine.loaders.validate import check_weights
+from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
+from tierserve.engine.worker.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
                                             rope_inv_freq)
 from tierserve.kernels.context import get_forward_context
 

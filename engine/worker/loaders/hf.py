@@ -9,9 +9,9 @@ import os
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.loaders import ModelLoadError, ModelSource, file_digest, one_line
-from tierserve.engine.loaders.validate import check_weights
-from tierserve.engine.models.layers import ROPE_TYPES, rope_type
+from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.worker.loaders.validate import check_weights
+from tierserve.engine.worker.models.layers import ROPE_TYPES, rope_type
 from tierserve.engine.tokenizer import TokenizerInfo
 
 ARCHITECTURES = {

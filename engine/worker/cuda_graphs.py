@@ -36,7 +36,7 @@ class attribute `cuda_graphs` and a `static_decode_metadata(tables, lens, page_s
 Sparse top-k decode (a backend with sparse support: triton) is captured too: scoring, choice and
 attention run on the device, so a graph takes each row's top-k from the section above (padded
 rows and dense rows 0), and the layers' summaries and the blocks-attended counter at their fixed
-addresses (engine/sparse.py: static_step); it does not record the chosen blocks, which nothing
+addresses (engine/worker/sparse.py: static_step); it does not record the chosen blocks, which nothing
 reads. With sparse decode configured every replayed step runs the sparse kernels (a dense row
 costs the scoring of its blocks more than eager).
 
@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from tierserve.engine.batch_buffers import (PAD_BLOCK, BatchBuffers, StepInputs, active_width,
+from tierserve.engine.worker.batch_buffers import (PAD_BLOCK, BatchBuffers, StepInputs, active_width,
                                             next_power_of_two, upload_event)
-from tierserve.engine.sparse import DecodeSparsity, DenseDecodes
+from tierserve.engine.worker.sparse import DecodeSparsity, DenseDecodes
 from tierserve.kernels import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tierserve.kernels.composite import PhaseSplit, SplitMeta
 from tierserve.kernels.sparse_plan import SparseStep

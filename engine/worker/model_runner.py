@@ -4,7 +4,7 @@ One path for every step, each part written once: the layout (the step's inputs i
 buffers; sparse.prepare plans its decodes), the upload (a decode graph's static inputs when one
 fits the step, else the eager inputs and the backend's metadata), the run (graph replay or eager
 forward; then sparse.after_step), the collect (logits, sampler, prompt logprobs). Sparse decode
-stays behind engine/sparse.py's hooks, which do nothing without it.
+stays behind engine/worker/sparse.py's hooks, which do nothing without it.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from tierserve.engine.backend_choice import choose_backend
-from tierserve.engine.batch_buffers import BatchBuffers, StepInputs, upload_event
+from tierserve.engine.worker.backend_choice import choose_backend
+from tierserve.engine.worker.batch_buffers import BatchBuffers, StepInputs, upload_event
 from tierserve.engine.config import EngineConfig, ModelConfig
-from tierserve.engine.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
-from tierserve.engine.kv_blocks import gather_blocks, write_blocks
-from tierserve.engine.models import model_class
-from tierserve.engine.request import Request, RequestId
-from tierserve.engine.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
+from tierserve.engine.worker.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
+from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
+from tierserve.engine.worker.models import model_class
+from tierserve.engine.core.request import Request, RequestId
+from tierserve.engine.worker.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tierserve.engine.sparse import decode_sparsity, step_bytes
+from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from tierserve.engine.worker.sparse import decode_sparsity, step_bytes
 from tierserve.kernels import BatchLayout, ForwardContext, forward_context
 from tierserve.kernels.kv_dtype import kv_torch_dtype
 from tierserve.kernels.native import fused_ops
@@ -148,7 +148,7 @@ class ModelRunner:
         return (mc.num_layers, 2, mc.num_kv_heads, self.block_size, mc.head_dim)
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of these blocks' KV, [n, *block_shape], on the host (engine/kv_blocks.py)."""
+        """Copies of these blocks' KV, [n, *block_shape], on the host (engine/worker/kv_blocks.py)."""
         return gather_blocks(self.kv_caches, block_ids, self.block_size)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from tierserve.engine.block_hash import BlockHash, extend_hashes
-from tierserve.engine.block_pool import BlockPool
+from tierserve.engine.core.block_hash import BlockHash, extend_hashes
+from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.config import SchedulerConfig, SchedulingPolicy
-from tierserve.engine.kv_hints import SloClass
-from tierserve.engine.request import Request, RequestId, RequestStatus
+from tierserve.engine.core.kv_hints import SloClass
+from tierserve.engine.core.request import Request, RequestId, RequestStatus
 
 
 @dataclass(frozen=True)

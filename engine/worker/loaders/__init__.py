@@ -80,11 +80,11 @@ def load_model_source(name: str) -> ModelSource:
     global _last_gguf
     path = resolve_path(name)
     if os.path.isdir(path):
-        from tierserve.engine.loaders.hf import load_hf_dir
+        from tierserve.engine.worker.loaders.hf import load_hf_dir
 
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        from tierserve.engine.loaders.gguf_loader import load_gguf
+        from tierserve.engine.worker.loaders.gguf_loader import load_gguf
 
         if not KEEP_LAST_GGUF:
             return load_gguf(path)

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tierserve.engine.batch_buffers import BatchBuffers
+from tierserve.engine.worker.batch_buffers import BatchBuffers
 from tierserve.engine.config import ModelConfig, SparseConfig
 from tierserve.kernels.base import AttentionBackend, BatchLayout
 from tierserve.kernels.sparse import kv_summary_rebuild_, kv_summary_update
 from tierserve.kernels.sparse_plan import SparseStep, kernel_topk
 
 if TYPE_CHECKING:
-    from tierserve.engine.scheduler import ScheduledRequest
+    from tierserve.engine.core.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.loaders import ModelLoadError
+from tierserve.engine.worker.loaders import ModelLoadError
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

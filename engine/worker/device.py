@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from tierserve.engine.model_runner import ModelRunner
+    from tierserve.engine.worker.model_runner import ModelRunner
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

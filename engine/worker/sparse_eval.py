@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from tierserve.engine.kv_hints import KVHints
+from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.llm_engine import LLMEngine
-from tierserve.engine.request import Request, RequestId
+from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass

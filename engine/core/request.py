@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NewType
 
-from tierserve.engine.block_hash import BlockHash
-from tierserve.engine.kv_hints import NO_HINTS, KVHints
+from tierserve.engine.core.block_hash import BlockHash
+from tierserve.engine.core.kv_hints import NO_HINTS, KVHints
 from tierserve.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
