@@ -18,6 +18,8 @@ import logging
 import os
 import platform
 
+from tierserve.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
@@ -87,8 +89,7 @@ def load_extension():
     from torch.utils.cpp_extension import load
 
     name = f"tierserve_native_{_tag()}"
-    build_dir = os.path.join(os.path.expanduser(os.environ.get("TIERSERVE_CACHE", "~/.cache/tierserve")),
-                             "ext", name)
+    build_dir = cache_dir("ext", name)
     os.makedirs(build_dir, exist_ok=True)
     try:
         with _build_guard(build_dir):
