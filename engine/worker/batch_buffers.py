@@ -56,11 +56,8 @@ class BatchBuffers:
         self.adaptive = adaptive
         """False: every view is capacity wide (the worst case; for comparison in bench/sparse.py)."""
         self.num_kv_heads = num_kv_heads
-        self.allocations = 0
-        """Buffers allocated so far: constant after construction (the steady state allocates none)."""
 
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
-            self.allocations += 1
             return torch.zeros(n, dtype=dtype, pin_memory=pin_memory)
 
         self.tokens = buf(max_num_tokens, torch.long)
