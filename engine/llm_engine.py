@@ -269,6 +269,8 @@ class LLMEngine:
         started = time.monotonic()
         result = self.runner.execute(out)
         full = self.scheduler.update(out, result.sampled)
+        now = time.monotonic()
+        self.kv.observe_step(out.num_batched_tokens, now - started)  # the model's time only
         self.kv_worker.copy_out(self.kv.stores(full))
         self.stats.steps += 1
         self.stats.computed_tokens += out.num_batched_tokens
@@ -276,8 +278,6 @@ class LLMEngine:
         self.stats.table_width.observe(result.table_width)
         self.stats.metadata_bytes.observe(result.metadata_bytes)
         self.stats.metadata_seconds += result.metadata_seconds
-        now = time.monotonic()
-        self.kv.observe_step(out.num_batched_tokens, now - started)
         outputs = []
         for s in out.scheduled:
             rid = s.request.request_id
