@@ -34,6 +34,7 @@ from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.engine.worker.sparse import SparseStats
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,8 @@ class EngineSnapshot:
     metadata_bytes: HistogramSnapshot = HistogramSnapshot()
     """Bytes of metadata views per step."""
     metadata_seconds: float = 0.0
-    sparse: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
-    """Sparse decode: steps, blocks attended, blocks dense would read, selection seconds."""
+    sparse: SparseStats = SparseStats()
+    """Sparse decode's counters (frozen: the runner replaces them each step)."""
     num_tracked: int = 0
     """Requests the engine holds state for (a refused request must leave none)."""
 
@@ -369,15 +370,13 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self.engine
         st, pool, sch = e.stats, e.pool, e.scheduler
-        sp = e.runner.sparse.stats
         self.snapshot = EngineSnapshot(len(sch.running), len(sch.waiting), pool.num_blocks,
                                        pool.num_free, pool.usage, pool.queries, pool.hits,
                                        st.prompt_tokens, st.generation_tokens, st.steps,
                                        sch.num_preemptions, _hist(st.iteration_tokens),
                                        _hist(st.table_width), _hist(st.metadata_bytes),
                                        st.metadata_seconds,
-                                       (sp.steps, sp.blocks_attended, sp.blocks_total,
-                                        sp.selection_seconds), e.num_tracked)
+                                       e.runner.sparse.stats, e.num_tracked)
 
 
 def _hist(b) -> HistogramSnapshot:

@@ -58,15 +58,15 @@ class _SnapshotCollector:
                          s.metadata_bytes, lbl)
         yield _counter("tierserve:step_metadata_seconds", "Time building step inputs and "
                        "attention metadata.", s.metadata_seconds, lbl)
-        steps, attended, total, select_s = s.sparse
-        yield _counter("tierserve:sparse_decode_steps", "Steps with sparse decodes.", steps, lbl)
+        sp = s.sparse
+        yield _counter("tierserve:sparse_decode_steps", "Steps with sparse decodes.", sp.steps, lbl)
         yield _counter("tierserve:sparse_blocks_attended", "KV blocks sparse decodes attended "
-                       "(per KV head and sparse layer).", attended, lbl)
+                       "(per KV head and sparse layer).", sp.blocks_attended, lbl)
         yield _counter("tierserve:sparse_blocks_dense", "KV blocks dense attention would have "
                        "read for the same decodes; attended / dense is the fraction attended.",
-                       total, lbl)
+                       sp.blocks_total, lbl)
         yield _counter("tierserve:sparse_selection_seconds", "Time scoring and choosing blocks "
-                       "(summed over kernel threads).", select_s, lbl)
+                       "(summed over kernel threads).", sp.selection_seconds, lbl)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
