@@ -22,6 +22,7 @@ outputs carry cumulative text and token ids, so a consumer takes deltas by lengt
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
 import queue
 import threading
@@ -31,9 +32,11 @@ from typing import AsyncIterator, Callable
 
 from tierserve.engine.info import EngineInfo
 from tierserve.engine.core.kv_hints import KVHints
+from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.engine.worker.grammar import GrammarStats
 from tierserve.engine.worker.sparse import SparseStats
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ class EngineSnapshot:
     """Sparse decode's counters (frozen: the runner replaces them each step)."""
     num_tracked: int = 0
     """Requests the engine holds state for (a refused request must leave none)."""
+    grammar: GrammarStats = GrammarStats()
+    """Structured outputs: requests, compiles, cache hits, mask time."""
 
 
 class QueueFull(Exception):
@@ -201,11 +206,20 @@ class AsyncEngine:
     def start(self) -> None:
         self._publish()
         self._thread.start()
+        # the grammar compiler imports xgrammar (and transformers, ~2 s): off the event loop and
+        # the step, before the first structured request
+        threading.Thread(target=lambda: self.engine.grammars, name="grammar-init",
+                         daemon=True).start()
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams,
               cache_salt: str | None = None) -> None:
         """Raise ParamError now, before a stream opens. Pure: reads only frozen engine limits."""
         self.engine.check_prompt(prompt_token_ids, params, cache_salt)
+
+    def compile_grammar(self, spec: StructuredOutput) -> cf.Future:
+        """Start (or find in the cache) the compile of a structured output, on the engine's
+        grammar threads; the future holds the compiled grammar or a GrammarError."""
+        return self.engine.compile_grammar(spec)
 
     def add_group(self, children: list[ChildRequest]) -> GroupStream:
         """Admit every child or none (QueueFull / EngineStopped / ParamError)."""
@@ -376,7 +390,8 @@ class AsyncEngine:
                                        sch.num_preemptions, _hist(st.iteration_tokens),
                                        _hist(st.table_width), _hist(st.metadata_bytes),
                                        st.metadata_seconds,
-                                       e.runner.sparse.stats, e.num_tracked)
+                                       e.runner.sparse.stats, e.num_tracked,
+                                       e.grammar_stats())
 
 
 def _hist(b) -> HistogramSnapshot:

@@ -107,6 +107,9 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        for p in plist:  # a grammar the compiler refuses raises here (GrammarError)
+            if p.structured_outputs is not None:
+                self.engine.compile_grammar(p.structured_outputs).result()
         groups: list[tuple[str, list[str]]] = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             base = str(self._next_id)

@@ -5,8 +5,10 @@ Not thread-safe: one thread owns it (the offline LLM, or the async engine's loop
 from __future__ import annotations
 
 import bisect
+import concurrent.futures as cf
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +31,8 @@ from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
 from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
+from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
+from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
 
@@ -136,8 +140,10 @@ class LLMEngine:
         self.kv, self.kv_worker = self._connector(tiers)
         """The KV connector's scheduler side (torch-free) and worker side: no-ops without
         tiers."""
+        self._grammars: GrammarBook | None = None
+        self._grammar_lock = threading.Lock()
         self.scheduler = Scheduler(config.scheduler, self.pool, self._hash_extra,
-                                   self.kv.on_admit)
+                                   self.kv.on_admit, self._grammar_ready)
         self.stats = EngineStats()
         self._tracked: dict[RequestId, _Tracked] = {}
         self.info = self._describe()
@@ -190,6 +196,29 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
         self.kv_worker.close()
+        if self._grammars is not None:
+            self._grammars.compiler.close()
+
+    @property
+    def grammars(self) -> GrammarBook:
+        """The structured-output grammars, built on first use (xgrammar imports transformers,
+        ~2 s): the server builds it at start-up, off the loop thread (compile_grammar)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                           tuple(self.model_config.eos_token_ids))
+                self._grammars = GrammarBook(compiler)
+            return self._grammars
+
+    def compile_grammar(self, spec: StructuredOutput) -> cf.Future:
+        """Start (or find) the compile of `spec`; any thread. GrammarError inside the future."""
+        return self.grammars.compiler.submit(spec)
+
+    def grammar_stats(self) -> GrammarStats:
+        return self._grammars.stats() if self._grammars is not None else GrammarStats()
+
+    def _grammar_ready(self, req: Request) -> bool:
+        return self._grammars is None or self._grammars.ready(req.request_id)
 
     def _hash_extra(self, req: Request) -> bytes:
         return self.fingerprint + scope_key(req.cache_scope, req.cache_salt)
@@ -215,6 +244,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                        params.skip_special_tokens)
         self.scheduler.add_request(req)  # hashes the prompt first: a failure records nothing
+        if params.structured_outputs is not None:
+            self.grammars.add(req.request_id, params.structured_outputs)
         self._tracked[req.request_id] = _Tracked(
             req, text, detok, [] if params.logprobs is not None else None,
             [None] if params.prompt_logprobs is not None else None,
@@ -249,6 +280,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._tracked.pop(req.request_id, None)
+            self._forget_grammar(req.request_id)
             self.kv.finished([req.request_id])
             self.kv_worker.cancel(req.request_id)
 
@@ -259,15 +291,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._bring_in_loads()
+        refused = self._refused_grammars()
         out = self.scheduler.schedule()
         self.kv.preempted(out.preempted)
         self.kv_worker.start(self.kv.take_loads())
         self.kv_worker.copy_out(self.kv.demotions(self.pool.take_evicted()))  # before reuse
-        if out.empty:  # only loads are in flight: wait for one instead of spinning
-            self.kv_worker.wait(0.02)
-            return []
+        if out.empty:  # only loads or compiles are in flight: wait instead of spinning
+            if not refused:
+                self.kv_worker.wait(0.02)
+                if self._grammars is not None:
+                    self._grammars.wait(0.02)
+            return refused
         started = time.monotonic()
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, self._grammars.mask if self._grammars else None)
         full = self.scheduler.update(out, result.sampled)
         now = time.monotonic()
         self.kv.observe_step(out.num_batched_tokens, now - started)  # the model's time only
@@ -278,7 +314,7 @@ class LLMEngine:
         self.stats.table_width.observe(result.table_width)
         self.stats.metadata_bytes.observe(result.metadata_bytes)
         self.stats.metadata_seconds += result.metadata_seconds
-        outputs = []
+        outputs = refused
         for s in out.scheduled:
             rid = s.request.request_id
             tr = self._tracked.get(rid)
@@ -297,6 +333,24 @@ class LLMEngine:
             self._check_stop(tr)
             outputs.append(self._output(tr))
         return outputs
+
+    def _refused_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile end here, aborted (the server compiles
+        before it queues a request, so only an offline caller that did not can get here)."""
+        if self._grammars is None:
+            return []
+        outputs = []
+        for rid, error in self._grammars.failed():
+            tr = self._tracked.get(RequestId(rid))
+            log.warning("request %s: its structured output does not compile: %s", rid, error)
+            self.abort_request(rid)
+            if tr is not None:
+                outputs.append(self._output(tr))
+        return outputs
+
+    def _forget_grammar(self, request_id: str) -> None:
+        if self._grammars is not None:
+            self._grammars.remove(request_id)
 
     def _bring_in_loads(self) -> None:
         """Finished tier loads into the device cache: blocks placed (a cached block the
@@ -319,6 +373,9 @@ class LLMEngine:
         hit = tr.detok.add(req.output_token_ids)
         if status is None and hit is not None:
             status, reason = RequestStatus.FINISHED_STOPPED, hit
+        if self._grammars is not None and self._grammars.accept(req.request_id, tok) \
+                and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if status is None and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -326,6 +383,7 @@ class LLMEngine:
                 tr.detok.flush(req.output_token_ids)
             req.stop_reason = reason
             self.scheduler.finish_requests([req.request_id], status)
+            self._forget_grammar(req.request_id)
             self.stats.finished_requests += 1
 
     def _output(self, tr: _Tracked) -> RequestOutput:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierserve.engine.core.structured import StructuredOutput
 
 
 class ParamError(ValueError):
@@ -40,6 +44,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Top-N alternatives per prompt token."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutput | None = None
+    """Constrain the output to a schema, regex, choice or grammar (vLLM's name)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +81,9 @@ class SamplingParams:
         for b in (self.logit_bias or {}).values():
             if not -100.0 <= b <= 100.0:
                 raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {b}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ParamError("min_tokens", "min_tokens cannot be combined with structured outputs: "
+                             "the grammar decides where the output ends")
         if any(not s for s in self.stop):
             raise ParamError("stop", "stop strings must not be empty")
 

@@ -34,12 +34,21 @@ class TextTokenizer:
         self.bos_token_id = self._tok.token_to_id(info.bos_token) if info.bos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self.takes_tools = False
+        """The chat template reads a `tools` variable (it describes tools its own way)."""
         if self.chat_template:
             self._template = _template_env().from_string(self.chat_template)
+            self.takes_tools = _reads_tools(self.chat_template)
 
     def set_chat_template(self, text: str) -> None:
         """Use `text` in place of the model's template; a syntax error is a ValueError."""
         self._template, self.chat_template = compile_chat_template(text), text
+        self.takes_tools = _reads_tools(text)
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` object (the grammar compiler reads its vocabulary)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # A tokenizer.json may add BOS in its post-processor (Llama 3); a GGUF-built one has none
@@ -79,6 +88,12 @@ def compile_chat_template(text: str):
         return _template_env().from_string(text)
     except TemplateSyntaxError as e:
         raise ValueError(f"the template does not parse: {e} (line {e.lineno})") from None
+
+
+def _reads_tools(text: str) -> bool:
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(_template_env().parse(text))
 
 
 def _raise(message: str) -> None:

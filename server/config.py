@@ -33,6 +33,15 @@ class ServerConfig:
     """A Jinja chat template in place of the model's own, for /v1/chat/completions: a file's path
     or the template text itself (as vLLM's --chat-template). A template that does not parse stops
     start-up with the error."""
+    enable_auto_tool_choice: bool = False
+    """tool_choice "auto": parse the model's own tool calls out of its output (vLLM's flag;
+    needs tool_call_parser). Off: "auto" with tools is a 400; "required" and a named function
+    work either way."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format: hermes or llama3_json (unset: hermes). It parses "auto"
+    output and is the format "required" and named-function calls are constrained to."""
+    grammar_compile_timeout_s: float = 30.0
+    """How long a request waits for its structured-output grammar to compile before a 400."""
     api_key: tuple[str, ...] = ()
     """API keys (repeat the flag or separate with commas); when set, every route but /health and
     /metrics requires `Authorization: Bearer <one of them>`."""
@@ -193,6 +202,14 @@ class ServerConfig:
                 object.__setattr__(self, name, split_keys(getattr(self, name)))
         for name in (*_AT_LEAST_ONE, "cache_scope", "header_timeout_s"):
             _check(name, getattr(self, name))
+        if self.tool_call_parser is not None:
+            from tierserve.server.tool_parsers import tool_parser
+            tool_parser(self.tool_call_parser)  # an unknown name lists the valid ones
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or "
+                             "llama3_json), as in vLLM")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be above 0")
         if self.cache_scope == "per-key" and not self.api_key:
             raise ValueError("cache_scope per-key needs api_key: without keys every caller is "
                              "the same tenant")

@@ -79,13 +79,19 @@ class TokenInfo:
     """The most likely tokens at that position, with their logprobs."""
 
 
+LOGPROB_FLOOR = -9999.0
+"""A token a structured output's grammar masks has logprob -inf, which JSON cannot carry: it is
+reported as this floor (as vLLM does)."""
+
+
 def token_infos(tokenizer, ids: list[int], lps: list[TopLogprobs | None]) -> list[TokenInfo]:
     """The one logprobs builder of the completion and chat routes."""
     def text(tid: int) -> str:
         return tokenizer.decode([tid], skip_special_tokens=False)
 
     return [TokenInfo(text(tid), None, []) if lp is None else
-            TokenInfo(text(tid), lp.logprob, [(text(t), v) for t, v in lp.top])
+            TokenInfo(text(tid), max(lp.logprob, LOGPROB_FLOOR),
+                      [(text(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top])
             for tid, lp in zip(ids, lps)]
 
 

@@ -16,6 +16,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
 from tierserve.engine.async_engine import EngineSnapshot, HistogramSnapshot
+from tierserve.engine.worker.grammar import COMPILE_BUCKETS, GrammarStats
 from tierserve.engine.info import EngineInfo
 from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
 from tierserve.engine.outputs import RequestOutput
@@ -67,6 +68,23 @@ class _SnapshotCollector:
                        sp.blocks_total, lbl)
         yield _counter("tierserve:sparse_selection_seconds", "Time scoring and choosing blocks "
                        "(summed over kernel threads).", sp.selection_seconds, lbl)
+        yield from _grammar(s.grammar, lbl)
+
+
+def _grammar(g: GrammarStats, lbl: list[str]) -> Iterable[Metric]:
+    yield _counter("tierserve:structured_requests", "Requests with a structured output (schema, "
+                   "regex, choice, grammar or forced tool calls).", g.requests, lbl)
+    yield _histogram("tierserve:grammar_compile_seconds", "Grammar compile time (each "
+                     "distinct grammar once; off the step).",
+                     HistogramSnapshot(COMPILE_BUCKETS, g.compile_counts, g.compile_seconds), lbl)
+    yield _counter("tierserve:grammar_cache_hits", "Grammar requests served by the compile "
+                   "cache.", g.cache_hits, lbl)
+    yield _counter("tierserve:grammar_compile_errors", "Grammars the compiler refused (400s).",
+                   g.compile_errors, lbl)
+    yield _counter("tierserve:grammar_mask_seconds", "Step time spent filling and applying "
+                   "token bitmasks.", g.mask_seconds, lbl)
+    yield _counter("tierserve:grammar_masked_rows", "Sampled rows a grammar masked.",
+                   g.masked_rows, lbl)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

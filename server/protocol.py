@@ -62,6 +62,16 @@ class _SamplingFields(_Body):
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's per-request KV tier filters and budgets (server/policy.py)."""
+    # structured outputs (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* names; at most one of them per request
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    """Accepted and ignored: xgrammar is the one backend."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -78,10 +88,26 @@ class TextPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text (OpenAI's shape: a string, not an object)."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    """An assistant turn's earlier tool calls."""
+    tool_call_id: Optional[str] = None
+    """A tool turn: which call this is the result of."""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -90,9 +116,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[Int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     add_generation_prompt: Optional[bool] = True
@@ -173,6 +199,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -196,9 +223,25 @@ class ChatCompletionResponse(BaseModel):
     kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: the first has id, type and the whole name; the rest
+    carry argument fragments the client appends, matched by index."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,6 +23,7 @@ from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
 from tierserve.engine.core.kv_hints import KVHints
+from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.core.tier_policy import TierDecision
 from tierserve.engine.kv_tiers.media import TierDescriptor
 from tierserve.server.policy import applied_params, parse_hints, policy_header
@@ -143,7 +144,8 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
 
 
 def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """Range checks happen in SamplingParams; the server adds the ones that protect itself."""
     n = 1 if body.n is None else body.n
     if not 1 <= n <= ctx.config.max_n:
@@ -179,6 +181,7 @@ def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int |
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens is not False,
+            structured_outputs=structured,
         )
     except ParamError as e:
         raise bad_request(str(e), e.param) from None

@@ -11,6 +11,8 @@ asked at each admission attempt after the device prefix match: True means it sen
 to LOADING (its blocks are read in the background). LOADING requests stay in the waiting queue
 but are passed over; `complete_load` brings one back with its loaded blocks published, and it is
 admitted like any other. `update` returns the blocks that became full, for the tier store.
+A second hook, `ready(request)`, holds a request in the queue the same way while its structured-
+output grammar compiles.
 """
 
 from __future__ import annotations
@@ -78,13 +80,17 @@ def _class_rank(req: Request) -> int:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
                  hash_extra: Callable[[Request], bytes],
-                 on_admit: Callable[[Request], bool] = lambda req: False):
+                 on_admit: Callable[[Request], bool] = lambda req: False,
+                 ready: Callable[[Request], bool] = lambda req: True):
         self.config = config
         self.pool = pool
         self.hash_extra = hash_extra
         """Extra bytes mixed into a request's block hashes (model fingerprint + cache salt)."""
         self.on_admit = on_admit
         """The KV tier lookup (see the module docstring)."""
+        self.ready = ready
+        """False while a request may not start yet (its structured-output grammar compiles):
+        it keeps its place in the queue and others are admitted past it."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -167,7 +173,8 @@ class Scheduler:
         return budget
 
     def _next_waiting(self) -> Request | None:
-        ready = [r for r in self.waiting if r.status is not RequestStatus.LOADING]
+        ready = [r for r in self.waiting
+                 if r.status is not RequestStatus.LOADING and self.ready(r)]
         if not ready:
             return None
         if self.config.policy is SchedulingPolicy.PRIORITY:  # priority wins over the SLO class

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,6 +33,8 @@ from tierserve.kernels.native import fused_ops
 from tierserve.kernels.sparse_plan import SparseStep
 
 log = logging.getLogger(__name__)
+
+Constrain = Callable[[torch.Tensor, list[RequestId]], None]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -159,7 +162,9 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, constrain: Constrain | None = None) -> StepResult:
+        """Run the step and sample. `constrain(logits, request_ids)` masks the sampling rows'
+        logits in place first (structured outputs: engine/worker/grammar.py)."""
         hidden, layout, sample_rows, facts = self._forward(out)
         prompt_lps = self._prompt_logprobs(out, hidden, layout)
         if not sample_rows:
@@ -167,6 +172,8 @@ class ModelRunner:
         # The sampler runs where the logits are; only token ids (and asked logprobs) come back.
         logits = self._logits(hidden, layout, sample_rows)
         reqs = [out.scheduled[i].request for i in sample_rows]
+        if constrain is not None:
+            constrain(logits, [r.request_id for r in reqs])
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           self._stop_ids(r.params)) for r in reqs]
         res = self.sampler(logits, rows)

@@ -15,6 +15,7 @@ from tierserve.server.protocol import (CompletionChoice, CompletionLogprobs, Com
 from tierserve.server.serving import (Call, ServerContext, admit, check_model, collect, context,
                                       kv_echo, kv_facts, sampling_params, start_call)
 from tierserve.server.streaming import sse_stream
+from tierserve.server.structured import compile_checked, requested
 
 router = APIRouter(route_class=CheckedRoute)
 
@@ -29,7 +30,11 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         raise bad_request("best_of is not supported (it must equal n when given)", "best_of")
     prompts, texts = _prompts(ctx, body.prompt)
     echo_lps = body.logprobs if body.echo and body.logprobs is not None else None
-    params = sampling_params(body, ctx, body.max_tokens, body.logprobs, echo_lps)
+    constraint = requested(body)
+    if constraint is not None:
+        await compile_checked(ctx.engine, constraint, ctx.config.grammar_compile_timeout_s)
+    params = sampling_params(body, ctx, body.max_tokens, body.logprobs, echo_lps,
+                             structured=constraint.spec if constraint else None)
     stream = admit(ctx, call, prompts, params, body)
     if body.stream:
         fmt = _CompletionFormat(ctx, call, body, texts, len(stream.children))
