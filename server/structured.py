@@ -107,7 +107,8 @@ def _build(make, param: str) -> Constraint:
 
 async def compile_checked(engine, c: Constraint, timeout_s: float) -> None:
     """Wait for the grammar's compile off the event loop; a refusal is a 400 naming the field."""
-    fut = engine.compile_grammar(c.spec)
+    # in a thread: the first call may build the compiler (xgrammar's import takes seconds)
+    fut = await asyncio.to_thread(engine.compile_grammar, c.spec)
     try:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
     except asyncio.TimeoutError:

@@ -110,6 +110,9 @@ def test_regex_and_choice_on_both_routes(client):
         "structured_outputs": {"regex": pattern}})
     for c in r.choices:
         assert re.fullmatch(pattern, c.message.content), c.message.content
+    r = client.completions.create(model=MODEL, prompt="Two words:", max_tokens=30, stop=[" "],
+                                  extra_body={"guided_regex": "[a-z]{2,6} [a-z]{2,6}"})
+    assert re.fullmatch("[a-z]{2,6}", r.choices[0].text) and r.choices[0].stop_reason == " "
     choices = ["sunny", "rainy", "partly cloudy"]
     r = _chat(client, n=6, temperature=1.0, seed=5, extra_body={"guided_choice": choices})
     assert all(c.message.content in choices for c in r.choices)
