@@ -159,6 +159,10 @@ class SparseConfig:
             raise ValueError("sparse min_context and dense_layers must be >= 0")
 
 
+QUANTIZATIONS = ("none", "auto", "gguf", "int8", "int4")
+"""The --quantization modes (engine/worker/quant.py)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built from flags, YAML or keyword arguments."""
@@ -187,6 +191,11 @@ class EngineConfig:
     """Backend timings written by `tierserve bench-backends`; None: ~/.cache/tierserve/."""
     num_threads: int | None = None
     """Torch intra-op threads; None uses the cores available to this process."""
+    quantization: str = "none"
+    """Weight-only quantization (vLLM's flag): none (the serving dtype; a GGUF's blocks
+    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 blocks as they are), int8 (per output channel)
+    or int4 (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else none.
+    CPU only so far (engine/worker/quant.py)."""
     stack_decode_min_batch: int = 1
     """Decode-only steps of at least this many sequences run every layer in one native call
     (kernels/csrc/decode_forward.cpp); 0 keeps every step layer by layer. build_config takes it

@@ -7,6 +7,7 @@ thread."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -51,3 +52,9 @@ class EngineInfo:
     """Per-tier stats, thread-safe (None without tiers)."""
     policy_counters: Any | None
     """The tier policy's decision counters (plain ints), or None without tiers."""
+    quantization: str = "none"
+    """--quantization as it runs (auto resolved)."""
+    quant_kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Which kernel each kind of quantized layer runs (empty: none)."""
+    weight_bytes: int = 0
+    """Bytes the weights hold on the device."""

@@ -32,6 +32,7 @@ from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
 from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
+from tierserve.engine.worker.quant import QuantizationError, check_mode
 from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
@@ -103,6 +104,9 @@ class LLMEngine:
                  config.dtype, self.dtype_choice.reason)
         self.config = config
         src = load_model_source(config.model)
+        config = dataclasses.replace(config, quantization=resolve_quantization(
+            config.quantization, self.device_choice.type, config.dtype, bool(src.blocks)))
+        self.config = config
         self.model_config = src.config
         self.tokenizer = TextTokenizer(src.tokenizer)
         self.model_path = src.path
@@ -125,8 +129,15 @@ class LLMEngine:
         # Everything that changes a block's KV bytes: the model file, dtypes, the fp8 scale, the
         # block size and the layer count. The tiers share blocks across processes by this key.
         self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype,
-                                       config.kv_cache_scale, bs, src.config.num_layers)
-        self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len)
+                                       config.kv_cache_scale, bs, src.config.num_layers,
+                                       *(("quantization", config.quantization)
+                                         if config.quantization != "none" else ()))
+        self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len,
+                                  src.blocks)
+        if self.runner.quant_kinds:
+            log.info("quantization %s: %s; weights %.0f MiB", config.quantization,
+                     ", ".join(f"{k}: {v}" for k, v in self.runner.quant_kinds.items()),
+                     self.runner.weight_bytes / 2**20)
         del src
         if profile_gpu:
             num_blocks = self._size_gpu_cache(block_bytes, model_len)
@@ -191,7 +202,8 @@ class LLMEngine:
             tiers=manager.descriptors() if manager is not None else (),
             events=manager.events if manager is not None else None,
             tier_stats=manager.stats if manager is not None else None,
-            policy_counters=self.kv.counters)
+            policy_counters=self.kv.counters, quantization=self.config.quantization,
+            quant_kernels=dict(runner.quant_kinds), weight_bytes=runner.weight_bytes)
 
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
@@ -414,3 +426,17 @@ def _check_salt(salt: str | None) -> None:
     except UnicodeEncodeError:
         raise ParamError("cache_salt", "cache_salt must be valid Unicode (it holds a lone "
                          "surrogate)") from None
+
+
+def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool) -> str:
+    """--quantization as it will run: auto keeps a Q4 GGUF's blocks on the CPU in float32 (their
+    kernel exists there), else none; the quantized kernels are CPU-only so far."""
+    check_mode(mode)
+    here = device_type == "cpu" and dtype == "float32"
+    if mode == "auto":
+        return "gguf" if here and has_q4_blocks else "none"
+    if mode != "none" and not here:
+        raise QuantizationError(f"quantization {mode} runs on the CPU with dtype float32 only so "
+                                "far (torch's CUDA weight-only kernels are not wired in yet); "
+                                "use none")
+    return mode

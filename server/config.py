@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from tierserve.engine.config import parse_bytes
+from tierserve.engine.config import QUANTIZATIONS, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ class ServerConfig:
     """A Jinja chat template in place of the model's own, for /v1/chat/completions: a file's path
     or the template text itself (as vLLM's --chat-template). A template that does not parse stops
     start-up with the error."""
+    quantization: str = "none"
+    """Weight-only quantization (vLLM's flag): none, gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0
+    blocks), int8, int4, or auto (gguf for a Q4 GGUF on the CPU, else none). CPU and float32
+    only so far; GET /v1/backends shows the kernels and the weight bytes."""
     enable_auto_tool_choice: bool = False
     """tool_choice "auto": parse the model's own tool calls out of its output (vLLM's flag;
     needs tool_call_parser). Off: "auto" with tools is a 400; "required" and a named function
@@ -208,6 +212,9 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or "
                              "llama3_json), as in vLLM")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be above 0")
         if self.cache_scope == "per-key" and not self.api_key:
@@ -249,7 +256,7 @@ class ServerConfig:
                 "num_threads", "seed", "kv_tiers", "cpu_tier_bytes", "disk_tier_dir",
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
-                "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids",
+                "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids", "quantization",
                 *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 

@@ -280,4 +280,6 @@ def test_serves_on_and_counts(client, server):
     assert m["tierserve:grammar_compile_seconds_count"] > 0
     assert m["tierserve:grammar_cache_hits_total"] > 0
     assert m["tierserve:grammar_mask_seconds_total"] > 0
+    assert m["tierserve:http_errors_total{status=400}"] >= len(BAD)
+    assert not [k for k in m if k.startswith("tierserve:http_errors_total{status=5")]
     assert "Traceback" not in server.log()

@@ -22,6 +22,7 @@ from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.worker.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
 from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
 from tierserve.engine.worker.models import model_class
+from tierserve.engine.worker.quant import quantize_model, weight_bytes
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.worker.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 num_blocks: int, max_model_len: int):
+                 num_blocks: int, max_model_len: int, blocks: dict | None = None):
         self.config = config
         self.model_cfg = model_cfg
         self.device = torch.device(config.device)
@@ -64,7 +65,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.model = self._build_model(weights)
+        self.quant_kinds: dict[str, str] = {}
+        """Which kernel each kind of layer runs under --quantization (empty: none)."""
+        self.model = self._build_model(weights, blocks or {})
         self.routes, self.backend = choose_backend(config, model_cfg, self.device, self.dtype,
                                                    self.kv_dtype)
         self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
@@ -130,13 +133,20 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 
-    def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def _build_model(self, weights: dict[str, torch.Tensor], blocks: dict) -> torch.nn.Module:
         model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
         model.stack_decode_min_batch = self.config.stack_decode_min_batch
         model.load_weights(weights)
+        if self.config.quantization != "none":
+            self.quant_kinds = quantize_model(model, self.config.quantization, blocks)
         for p in model.parameters():  # buffers (the RoPE table) stay fp32
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         return model.to(self.device).eval()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold on the device (quantized or not)."""
+        return weight_bytes(self.model)
 
     @property
     def kv_bytes(self) -> int:

@@ -21,5 +21,7 @@ async def backends(request: Request) -> dict:
             "device": info.device.device, "device_reason": info.device.reason,
             "dtype": info.dtype.dtype, "dtype_reason": info.dtype.reason,
             "kv_cache_dtype": info.kv_cache_dtype,
+            "quantization": {"mode": info.quantization, "kernels": dict(info.quant_kernels),
+                             "weight_bytes": info.weight_bytes},
             "sparse_decode": {**dataclasses.asdict(sparse), "active": sparse.active},
             **{phase: r.to_json() for phase, r in info.routes.items()}}

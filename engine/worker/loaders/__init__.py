@@ -38,6 +38,20 @@ class ModelSource:
     digest: str
     """Identity of the weights, part of every KV block's hash."""
     path: str
+    blocks: dict[str, QuantBlocks] = dataclasses.field(default_factory=dict)
+    """A GGUF's Q4_0 / Q4_1 / Q8_0 weights as the file stores them (views of its memory map),
+    under the same names: --quantization gguf packs these, not the dequantized copies."""
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """One tensor's quantized blocks, undecoded: the bytes, the block type, the [out, in] shape,
+    and the head count whose RoPE row order llama.cpp permuted (None: not permuted)."""
+
+    raw: object
+    kind: str
+    shape: tuple[int, int]
+    rope_heads: int | None = None
 
 
 def _embedded_smollm2() -> str:

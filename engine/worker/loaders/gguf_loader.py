@@ -9,11 +9,14 @@ import numpy as np
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.worker.loaders import (ModelLoadError, ModelSource, QuantBlocks, file_digest,
+                                             one_line)
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+QUANT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""Block types whose weights --quantization gguf keeps as they are (engine/worker/quant.py)."""
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -56,14 +59,27 @@ def load_gguf(path: str) -> ModelSource:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     config = _config(path, fields, arch)
-    weights = {}
+    weights, blocks = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is not None:
             weights[name] = _tensor(path, t, name, config)
+            if t.tensor_type.name in QUANT_BLOCK_TYPES and name.endswith(".weight"):
+                blocks[name] = QuantBlocks(t.data, t.tensor_type.name, tuple(weights[name].shape),
+                                           _rope_heads(name, config))
     config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in weights)
     check_weights(path, config, weights)
-    return ModelSource(config, weights, _tokenizer(path, fields), file_digest([path]), path)
+    return ModelSource(config, weights, _tokenizer(path, fields), file_digest([path]), path,
+                       blocks)
+
+
+def _rope_heads(name: str, config: ModelConfig) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor (q and k of Llama and Mistral)."""
+    if config.architecture not in ("llama", "mistral"):
+        return None
+    if name.endswith("q_proj.weight"):
+        return config.num_heads
+    return config.num_kv_heads if name.endswith("k_proj.weight") else None
 
 
 def _check_size(path: str, reader) -> None:

@@ -27,12 +27,20 @@ class Linear(nn.Module):
         """The native kernel's packed weight."""
         self._panel_bias: torch.Tensor | None = None
         """The bias zero-padded to whole 16-column panels, for the native kernel."""
+        self._quant = None
+        """A weight-only quantized weight (engine/worker/quant.py), in place of `weight`."""
+
+    def quantize(self, weight) -> None:
+        """Run on `weight` (a QuantWeight) from now on; the float weight is freed."""
+        self._quant = weight
+        self.weight.data = torch.empty(0)
+        self._packed = self._panels = self._panel_bias = None
 
     def pack(self, batch_hint: int) -> None:
         """Prepack for whichever CPU kernel `ops` selects (one packed copy at a time)."""
         w = self.weight.detach()
         self._packed = self._panels = self._panel_bias = None
-        if w.device.type != "cpu" or w.dtype != torch.float32:
+        if w.device.type != "cpu" or w.dtype != torch.float32 or self._quant is not None:
             return
         if self.ops is not None:
             self._panels = self.ops.pack_linear_weight(w)
@@ -43,6 +51,9 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._quant is not None:
+            y = self._quant(x)
+            return y if self.bias is None else y + self.bias
         if self._panels is not None:
             return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self._panel_bias)
         if self._packed is not None:

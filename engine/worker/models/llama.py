@@ -149,6 +149,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight.copy_(head if head is not None and not self.config.tie_word_embeddings
                                   else weights["model.embed_tokens.weight"])
 
+    def linear_sources(self) -> list[tuple[Linear, list[str]]]:
+        """Each linear layer with the checkpoint tensors it fuses (quantization packs those)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                    (attn.o_proj, [p + "self_attn.o_proj.weight"]),
+                    (mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    (mlp.down_proj, [p + "mlp.down_proj.weight"])]
+        return out
+
     def use_native_ops(self, ops, batch_hint: int = 64) -> None:
         """Route the element-wise ops and the linear layers through the native extension (CPU,
         fp32), or back to torch (None); the linear weights are packed again for the new path."""

@@ -1,0 +1,318 @@
+"""Weight-only quantized linears on torch's own kernels (issue 31, first part).
+
+    mode   weights kept                                   kernel (CPU)
+    none   the serving dtype (GGUF blocks dequantized)    the fp32 path (native panels)
+    gguf   the file's Q4_0 / Q4_1 blocks, as they are:    _weight_int4pack_mm_for_cpu, group 32
+           codes q in 0..15, w = (q - 8) * d + zero       (Q4_1: zero = m + 8d; Q4_0: zero = 0)
+    int4   any fp32 weight, 4 bits, groups of 32,         the same
+           asymmetric (min/max per group)
+    int8   any fp32 weight, 8 bits per output channel     _weight_int8pack_mm
+           (symmetric)
+
+torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x slower), so a
+quantized linear rounds its input to bf16 and returns fp32: norms, residual stream, RoPE and
+attention stay fp32. The tied embedding and LM head become one int8 table (per-row scales): the
+lookup dequantizes the rows it takes, the head runs the int8 kernel. Quantized weights leave the
+one-call native decode stack out (it reads fp32 panels): steps run layer by layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierserve.engine.config import QUANTIZATIONS
+
+GROUP = 32
+_INNER_K_TILES = 2
+
+
+class QuantizationError(ValueError):
+    """A weight the chosen quantization cannot take (names the tensor and its type)."""
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """4-bit codes with a scale and zero per group of 32 along the input: w = (q - 8) s + z."""
+
+    codes: torch.Tensor
+    """[out, in] int32 in 0..15."""
+    scale: torch.Tensor
+    """[out, in / 32] fp32."""
+    zero: torch.Tensor
+    """[out, in / 32] fp32."""
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Output rows stacked (q, k, v into one qkv projection)."""
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts])
+                            for f in ("codes", "scale", "zero")))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // GROUP, GROUP).float() - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Groups:
+    """Asymmetric 4-bit groups of 32: each group's min and max map to codes 0 and 15."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-10)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Int4Groups(codes.view(n, k), scale, lo + 8 * scale)
+
+
+def gguf_q4_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Groups:
+    """A Q4_0 or Q4_1 tensor's blocks as Int4Groups, without re-quantizing. `raw` is the
+    tensor's bytes; a block is [d fp16] (+ [m fp16] for Q4_1) + 16 bytes holding 32 codes (low
+    nibbles: the block's first 16 weights, high nibbles: the last 16)."""
+    n, k = shape
+    head = 4 if kind == "Q4_1" else 2
+    blocks = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(
+        n, k // GROUP, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1"
+         else np.zeros_like(d))
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    scale = torch.from_numpy(d)
+    zero = torch.from_numpy(m) + 8 * scale if kind == "Q4_1" else torch.zeros_like(scale)
+    return Int4Groups(torch.from_numpy(codes.astype(np.int32)), scale, zero)
+
+
+@dataclass(frozen=True)
+class Int8Groups:
+    """8-bit codes with a scale per group of 32 along the input: w = q s (GGUF's Q8_0)."""
+
+    q: torch.Tensor
+    """[out, in] int32 in -128..127."""
+    scale: torch.Tensor
+    """[out, in / 32] fp32."""
+
+
+def quantize_int8_groups(w: torch.Tensor) -> Int8Groups:
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-10)
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int32)
+    return Int8Groups(q.view(n, k), scale)
+
+
+def gguf_q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int8Groups:
+    """A Q8_0 tensor's blocks ([d fp16] + 32 int8 codes each) as Int8Groups, as stored."""
+    n, k = shape
+    blocks = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(
+        n, k // GROUP, 2 + GROUP)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k).astype(np.int32)
+    return Int8Groups(torch.from_numpy(q), torch.from_numpy(d))
+
+
+class QuantWeight:
+    """A linear layer's weight packed for torch's weight-only kernel; call it as x -> x W^T."""
+
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Weight(QuantWeight):
+    def __init__(self, g: Int4Groups):
+        self.out_features = g.codes.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.codes, _INNER_K_TILES)
+        self.scales_zeros = torch.stack([g.scale.t(), g.zero.t()], -1).contiguous().to(
+            torch.bfloat16)
+        self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                        self.scales_zeros)
+        return y.float()
+
+
+class Int8Weight(QuantWeight):
+    """Per-output-channel symmetric int8; `rows(ids)` dequantizes rows (a tied embedding)."""
+
+    def __init__(self, w: torch.Tensor):
+        w = w.float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-10)
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scale = scale
+        self.scale_bf16 = scale.to(torch.bfloat16)
+        self.nbytes = self.q.nbytes + self.scale.nbytes + self.scale_bf16.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q,
+                                                   self.scale_bf16).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scale[ids, None]
+
+
+class Int8GroupWeight(QuantWeight):
+    """Int8Groups on the int4 kernel, as two 4-bit planes: with u = q + 128 = 16 hi + lo,
+    w = s q = [(hi - 8) 16s + 0] + [(lo - 8) s + 8s], so x W^T is the sum of two int4 GEMMs
+    (group 32) and the weights are exactly the groups' (Q8_0's), 1 byte a weight plus scales.
+    rows(ids) decodes the same packed planes, so a tied embedding costs nothing more."""
+
+    def __init__(self, g: Int8Groups):
+        u = g.q + 128
+        s = g.scale
+        self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, torch.zeros_like(s)))
+        self.lo = Int4Weight(Int4Groups(u & 15, s, 8 * s))
+        self.out_features = g.q.shape[0]
+        self.nbytes = self.hi.nbytes + self.lo.nbytes
+        _check_pack_layout()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hi(x) + self.lo(x)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids`, [n, in] fp32, from the packed planes and the lo scales."""
+        hi, lo = _unpack_rows(self.hi.packed, ids), _unpack_rows(self.lo.packed, ids)
+        scale = self.lo.scales_zeros[:, ids, 0].t().float()  # [n, in / 32]
+        q = (16 * hi + lo - 128).float().view(len(ids), -1, GROUP)
+        return (q * scale[..., None]).view(len(ids), -1)
+
+
+def _unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of codes out of _convert_weight_to_int4pack_for_cpu's layout when the rows are a
+    multiple of 64: blocks of 64 rows, [out / 64, in, 32] bytes, byte j holding rows j (low
+    nibble) and 32 + j (high) of its block."""
+    n, half = packed.shape
+    p = packed.view(n // 64, 2 * half, 32)
+    ids = ids.long()
+    b = p[ids // 64, :, ids % 32]  # [len, in]
+    return torch.where((ids % 64 < 32)[:, None], b & 15, b >> 4).to(torch.int32)
+
+
+_LAYOUT_CHECKED = False
+
+
+def _check_pack_layout() -> None:
+    """_unpack_rows reads torch's private packing: check it once against torch's own output."""
+    global _LAYOUT_CHECKED
+    if _LAYOUT_CHECKED:
+        return
+    codes = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
+    if not torch.equal(_unpack_rows(packed, torch.arange(128)), codes):
+        raise QuantizationError("this torch packs int4 weights in a layout tierserve does not "
+                                "read (quantized embeddings need it); use --quantization none")
+    _LAYOUT_CHECKED = True
+
+
+def check_mode(mode: str) -> str:
+    if mode not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                                f"got {mode!r}")
+    return mode
+
+
+def blocks_to_groups(b) -> Int4Groups | Int8Groups:
+    """A loader's QuantBlocks decoded, with llama.cpp's RoPE row order undone like the fp32
+    copy's (rows move with their blocks: the groups run along the input)."""
+    from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
+
+    g = gguf_q8_groups(b.raw, b.shape) if b.kind == "Q8_0" else gguf_q4_groups(b.raw, b.kind,
+                                                                                 b.shape)
+    if b.rope_heads is None:
+        return g
+    return type(g)(*(torch.from_numpy(np.ascontiguousarray(unpermute_rope(t.numpy(),
+                                                                          b.rope_heads)))
+                     for t in dataclasses.astuple(g)))
+
+
+def gguf_weight(names: list[str], blocks: dict) -> QuantWeight:
+    """The file's own blocks of these tensors (fused along the output), on their kernel."""
+    missing = [n for n in names if n not in blocks]
+    if missing:
+        raise QuantizationError(f"quantization gguf: tensor {missing[0]} is not Q4_0, Q4_1 or "
+                                "Q8_0 in this file (use int4, int8 or none)")
+    kinds = {blocks[n].kind for n in names}
+    if len(kinds) > 1:
+        raise QuantizationError(f"quantization gguf: tensors {names} mix block types "
+                                f"{sorted(kinds)} in one fused layer (use int4, int8 or none)")
+    groups = [blocks_to_groups(blocks[n]) for n in names]
+    if kinds == {"Q8_0"}:
+        return Int8GroupWeight(Int8Groups(*(torch.cat(t) for t in zip(
+            *(dataclasses.astuple(g) for g in groups)))))
+    return Int4Weight(Int4Groups.cat(groups))
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table held as an Int8Weight: each lookup dequantizes the rows it takes."""
+
+    def __init__(self, weight: Int8Weight):
+        super().__init__()
+        self.table = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+
+def quantize_model(model: torch.nn.Module, mode: str, blocks: dict) -> dict[str, str]:
+    """Swap the model's linear weights (and its embedding and LM head) for quantized ones, in
+    place; returns which kernel each kind of layer runs (for the start-up log and /v1/backends).
+
+    The model lists its linears with the source tensor names each one fuses
+    (`linear_sources()`); in gguf mode every name must have Q4 blocks, or the start stops with
+    the tensor named."""
+    kinds: dict[str, str] = {}
+    for lin, names in model.linear_sources():
+        if mode == "gguf":
+            lin.quantize(gguf_weight(names, blocks))
+        elif mode == "int4":
+            lin.quantize(Int4Weight(quantize_int4(lin.weight.detach())))
+        else:
+            lin.quantize(Int8Weight(lin.weight.detach()))
+        kinds[type(lin._quant).__name__] = _KERNELS[type(lin._quant)]
+    embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks)
+    head = embed if model.config.tie_word_embeddings else _table(
+        mode, "lm_head.weight", model.lm_head.weight, blocks)
+    model.lm_head.quantize(head)
+    model.embed_tokens = QuantEmbedding(embed)
+    kinds["lm_head"] = _KERNELS[type(head)] + (" (tied: the embedding reads the same bytes)"
+                                               if head is embed else "")
+    return kinds
+
+
+_KERNELS: dict[type, str] = {
+    Int4Weight: "int4 groups of 32 (_weight_int4pack_mm_for_cpu, bf16 activations)",
+    Int8Weight: "int8 per channel (_weight_int8pack_mm, bf16 activations)",
+    Int8GroupWeight: "int8 groups of 32 (two int4 planes, bf16 activations)"}
+
+
+def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict) -> Int8GroupWeight:
+    """The embedding (and LM head): 8-bit groups of 32 (the file's own Q8_0 blocks in gguf mode
+    when it has them); one scale per row lost too much: 95% top-1 agreement against 98.7%."""
+    b = blocks.get(name) if mode == "gguf" else None
+    if b is not None and b.kind == "Q8_0":
+        return Int8GroupWeight(blocks_to_groups(b))
+    return Int8GroupWeight(quantize_int8_groups(weight.detach()))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights hold, quantized or not (each tensor counted once)."""
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters()]
+    for m in model.modules():
+        w = getattr(m, "_quant", None) or getattr(m, "table", None)
+        parts = [w.hi, w.lo] if isinstance(w, Int8GroupWeight) else [w]
+        for p in parts:
+            if isinstance(p, Int4Weight):
+                tensors += [p.packed, p.scales_zeros]
+            elif isinstance(p, Int8Weight):
+                tensors += [p.q, p.scale, p.scale_bf16]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total

@@ -1,0 +1,118 @@
+"""Quantized weights (--quantization): the GGUF's own blocks decoded exactly, packed for torch's
+weight-only kernels, and the model's quality against the fp32 path (llama.cpp's perplexity
+method on tests/data/long_text.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tierserve.engine.llm import LLM
+from tierserve.engine.llm_engine import resolve_quantization
+from tierserve.engine.worker.loaders import load_model_source
+from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
+from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8GroupWeight,
+                                           QuantizationError, blocks_to_groups, gguf_weight,
+                                           quantize_int4, quantize_int8_groups)
+from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
+
+TEXT = (Path(__file__).parent / "data" / "long_text.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return load_model_source("smollm2-135m")
+
+
+def _reference(gguf_path: str, name: str) -> np.ndarray:
+    t = next(t for t in gguf.GGUFReader(gguf_path).tensors if t.name == name)
+    shape = tuple(int(x) for x in reversed(t.shape))
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("gguf_name,hf_name,heads", [
+    ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", None),
+    ("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
+    ("token_embd.weight", "model.embed_tokens.weight", None)])
+def test_blocks_decode_to_the_files_weights(source, gguf_path, gguf_name, hf_name, heads):
+    """Q4_1 and Q8_0 blocks read as codes and scales give exactly gguf's dequantized values, in
+    the fp32 copy's row order (q's RoPE permutation undone)."""
+    b = source.blocks[hf_name]
+    ref = _reference(gguf_path, gguf_name)
+    if heads:
+        ref = unpermute_rope(ref, heads)
+    g = blocks_to_groups(b)
+    if isinstance(g, Int4Groups):
+        got = g.dequantize()
+    else:
+        got = (g.q.float().view(g.q.shape[0], -1, GROUP) * g.scale[..., None]).view(g.q.shape)
+    assert torch.equal(got, torch.from_numpy(ref))
+    assert torch.equal(source.weights[hf_name], torch.from_numpy(ref))
+
+
+def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source):
+    g = blocks_to_groups(source.blocks["model.layers.0.mlp.gate_proj.weight"])
+    w = g.dequantize()
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = x @ w.t()
+    err = lambda y: float((y - ref).norm() / ref.norm())  # noqa: E731
+    assert err(Int4Weight(g)(x)) < 0.01  # bf16 activations and scales
+    shuffled = Int4Groups(g.codes.view(-1, GROUP).flip(-1).reshape(g.codes.shape), g.scale,
+                          g.zero)  # each group's codes reversed: the packing a bug would give
+    assert err(Int4Weight(shuffled)(x)) > 0.3
+    e = blocks_to_groups(source.blocks["model.embed_tokens.weight"])
+    table = Int8GroupWeight(e)
+    ids = torch.tensor([0, 1, 31, 32, 63, 64, 49151])
+    exact = (e.q[ids].float().view(len(ids), -1, GROUP) * e.scale[ids, :, None]).view(len(ids), -1)
+    assert torch.allclose(table.rows(ids), exact, rtol=8e-3, atol=0)  # the scales in bf16
+    assert err(Int4Weight(quantize_int4(w))(x)) < 0.01
+    q8 = quantize_int8_groups(w)
+    back = (q8.q.float().view(w.shape[0], -1, GROUP) * q8.scale[..., None]).view(w.shape)
+    assert ((back - w).abs().view(w.shape[0], -1, GROUP) <= q8.scale[..., None] / 2 + 1e-7).all()
+    assert err(Int8GroupWeight(q8)(x)) < 0.01
+
+
+def test_refusals_name_the_tensor_and_the_mode(source):
+    with pytest.raises(QuantizationError, match="model.layers.0.mlp.up_proj.weight"):
+        gguf_weight(["model.layers.0.mlp.up_proj.weight"], {})
+    with pytest.raises(QuantizationError, match="CPU"):
+        resolve_quantization("gguf", "cuda", "bfloat16", True)
+    with pytest.raises(QuantizationError, match="int2"):
+        resolve_quantization("int2", "cpu", "float32", True)
+    assert resolve_quantization("auto", "cpu", "float32", True) == "gguf"
+    assert resolve_quantization("auto", "cpu", "float32", False) == "none"
+    assert resolve_quantization("auto", "cuda", "bfloat16", True) == "none"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    """Each mode scored on the same 2,600 tokens of real text as the fp32 path."""
+    out = {}
+    for mode in ("none", "gguf", "int8", "int4"):
+        llm = LLM(quantization=mode, kv_cache_memory_bytes=1 << 28)
+        ids = llm.get_tokenizer().encode(TEXT)[:2600]
+        out[mode] = (score(llm, ids), llm.engine.runner.weight_bytes, llm.engine.info)
+        del llm
+    return out
+
+
+@pytest.mark.parametrize("mode,min_agree,max_ppl", [("gguf", 0.97, 0.01), ("int8", 0.95, 0.01),
+                                                    ("int4", 0.92, 0.05)])
+def test_quality_against_fp32(quality, mode, min_agree, max_ppl):
+    """Top-1 agreement and perplexity against the dequantized fp32 path (docs/BENCHMARKS.md has
+    the measured values: bf16 activations cost most of the difference)."""
+    ref, test = quality["none"][0], quality[mode][0]
+    assert len(test.top1) > 2000
+    assert agreement(test, ref) >= min_agree
+    assert abs(perplexity_change(test, ref)) < max_ppl
+
+
+def test_gguf_weights_take_a_fifth_of_fp32(quality):
+    assert quality["gguf"][1] * 5 <= quality["none"][1]
+    info = quality["gguf"][2]
+    assert info.quantization == "gguf" and info.weight_bytes == quality["gguf"][1]
+    assert "int4" in next(iter(info.quant_kernels.values()))
