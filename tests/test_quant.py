@@ -70,6 +70,12 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
     exact = (e.q[ids].float().view(len(ids), -1, GROUP) * e.scale[ids, :, None]).view(len(ids), -1)
     assert torch.allclose(table.rows(ids), exact, rtol=8e-3, atol=0)  # the scales in bf16
     assert err(Int4Weight(quantize_int4(w))(x)) < 0.01
+    from tierserve.kernels.native import fused_ops
+
+    ops = fused_ops()  # the native integer-dot kernel: activations in int8 blocks, ~1% off
+    assert err(Int4Weight(g, native=True)(x, ops)) < 0.02
+    assert err(Int4Weight(shuffled, native=True)(x, ops)) > 0.3
+    assert err(Int4Weight(g, native=True)(x)) < 0.01  # no extension: torch's packing, made once
     q8 = quantize_int8_groups(w)
     back = (q8.q.float().view(w.shape[0], -1, GROUP) * q8.scale[..., None]).view(w.shape)
     assert ((back - w).abs().view(w.shape[0], -1, GROUP) <= q8.scale[..., None] / 2 + 1e-7).all()

@@ -67,10 +67,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.quant_kinds: dict[str, str] = {}
         """Which kernel each kind of layer runs under --quantization (empty: none)."""
+        self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.model = self._build_model(weights, blocks or {})
         self.routes, self.backend = choose_backend(config, model_cfg, self.device, self.dtype,
                                                    self.kv_dtype)
-        self.native = fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.sparse = decode_sparsity(config.sparse, self.backend, model_cfg, self.block_size,
                                       self.device, self.native)
         self.allocate_kv(num_blocks, max_model_len)
@@ -138,7 +138,8 @@ class ModelRunner:
         model.stack_decode_min_batch = self.config.stack_decode_min_batch
         model.load_weights(weights)
         if self.config.quantization != "none":
-            self.quant_kinds = quantize_model(model, self.config.quantization, blocks)
+            self.quant_kinds = quantize_model(model, self.config.quantization, blocks,
+                                              native=self.native is not None)
         for p in model.parameters():  # buffers (the RoPE table) stay fp32
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         return model.to(self.device).eval()

@@ -155,6 +155,10 @@ void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
 // Index of each row's first maximum: [M, N] -> [M] int64.
 at::Tensor argmax_rows(at::Tensor x);
 
+// y [M, N] = x [M, K] . W^T for 4-bit weights in groups of 32, w = d q + z (q in 0..15): codes
+// [N, K/32, 16] uint8 in GGUF's nibble order, d and z [N, K/32] fp32 (csrc/q4_linear.cpp).
+at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z);
+
 // W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
 at::Tensor pack_linear_weight(at::Tensor w);
 
