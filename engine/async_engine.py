@@ -216,10 +216,11 @@ class AsyncEngine:
         """Raise ParamError now, before a stream opens. Pure: reads only frozen engine limits."""
         self.engine.check_prompt(prompt_token_ids, params, cache_salt)
 
-    def compile_grammar(self, spec: StructuredOutput) -> cf.Future:
-        """Start (or find in the cache) the compile of a structured output, on the engine's
-        grammar threads; the future holds the compiled grammar or a GrammarError."""
-        return self.engine.compile_grammar(spec)
+    def compile_grammar(self, spec: StructuredOutput, scope: str | None = None) -> cf.Future:
+        """Start (or find in the caller's scope of the cache) the compile of a structured output,
+        on the engine's grammar threads; the future holds the compiled grammar or a
+        GrammarError."""
+        return self.engine.compile_grammar(spec, scope)
 
     def add_group(self, children: list[ChildRequest]) -> GroupStream:
         """Admit every child or none (QueueFull / EngineStopped / ParamError)."""

@@ -222,9 +222,10 @@ class LLMEngine:
                 self._grammars = GrammarBook(compiler)
             return self._grammars
 
-    def compile_grammar(self, spec: StructuredOutput) -> cf.Future:
-        """Start (or find) the compile of `spec`; any thread. GrammarError inside the future."""
-        return self.grammars.compiler.submit(spec)
+    def compile_grammar(self, spec: StructuredOutput, scope: str | None = None) -> cf.Future:
+        """Start (or find, within the caller's cache scope) the compile of `spec`; any thread.
+        GrammarError inside the future."""
+        return self.grammars.compiler.submit(spec, scope)
 
     def grammar_stats(self) -> GrammarStats:
         return self._grammars.stats() if self._grammars is not None else GrammarStats()
@@ -257,7 +258,7 @@ class LLMEngine:
                                        params.skip_special_tokens)
         self.scheduler.add_request(req)  # hashes the prompt first: a failure records nothing
         if params.structured_outputs is not None:
-            self.grammars.add(req.request_id, params.structured_outputs)
+            self.grammars.add(req.request_id, params.structured_outputs, cache_scope)
         self._tracked[req.request_id] = _Tracked(
             req, text, detok, [] if params.logprobs is not None else None,
             [None] if params.prompt_logprobs is not None else None,

@@ -105,10 +105,11 @@ def _build(make, param: str) -> Constraint:
         raise bad_request(str(e), e.param) from None
 
 
-async def compile_checked(engine, c: Constraint, timeout_s: float) -> None:
-    """Wait for the grammar's compile off the event loop; a refusal is a 400 naming the field."""
+async def compile_checked(engine, c: Constraint, timeout_s: float, scope: str | None) -> None:
+    """Wait for the grammar's compile off the event loop; a refusal is a 400 naming the field.
+    `scope`: the caller's cache scope (compiled grammars are not shared across API keys)."""
     # in a thread: the first call may build the compiler (xgrammar's import takes seconds)
-    fut = await asyncio.to_thread(engine.compile_grammar, c.spec)
+    fut = await asyncio.to_thread(engine.compile_grammar, c.spec, scope)
     try:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
     except asyncio.TimeoutError:

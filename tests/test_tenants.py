@@ -142,6 +142,24 @@ def read_events(url: str, headers: dict[str, str], want, timeout: float = 20.0) 
     raise AssertionError(f"stream ended early with {events}")
 
 
+def test_compiled_grammars_are_not_shared_across_keys(tenants):
+    """Key B sending key A's schema compiles it anew (a cache hit would tell B what A sent);
+    the same key sending it again is a hit."""
+    cfg, engine = tenants
+    schema = {"type": "object", "properties": {f"k{uuid.uuid4().hex[:8]}": {"type": "integer"}}}
+
+    def hits_after(key: str) -> float:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key=key,
+                               max_retries=0, timeout=120)
+        client.completions.create(model=MODEL, prompt="JSON:", max_tokens=8, extra_body={
+            "guided_json": schema})
+        return engine.engine.grammar_stats().cache_hits
+
+    first = hits_after(KEY_A)
+    assert hits_after(KEY_B) == first  # compiled again for B: no hit
+    assert hits_after(KEY_B) == first + 1 and hits_after(KEY_A) == first + 2
+
+
 def test_kv_events_are_the_operators_and_carry_no_token_ids(tenants):
     cfg, engine = tenants
     base = f"http://127.0.0.1:{cfg.port}"

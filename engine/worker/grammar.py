@@ -89,17 +89,21 @@ class GrammarCompiler:
         with self._lock:
             return GrammarStats(compile_counts=tuple(self._compile_counts), **self._counts, **more)
 
-    def submit(self, spec: StructuredOutput, count: bool = True) -> cf.Future:
+    def submit(self, spec: StructuredOutput, scope: str | None = None,
+               count: bool = True) -> cf.Future:
         """The compiled grammar's future (done at once on a cache hit); GrammarError inside.
-        `count`: a hit counts as one (the engine's own lookup after the server's does not)."""
+        `scope`: the caller's cache scope (per API key): a tenant never finds another's grammar
+        compiled, so no compile time tells it what another sent (docs/security.md). `count`: a
+        hit counts as one (the engine's own lookup after the server's does not)."""
+        key = (scope, *spec.key)
         with self._lock:
-            fut = self._cache.get(spec.key)
+            fut = self._cache.get(key)
             if fut is not None:
-                self._cache.move_to_end(spec.key)
+                self._cache.move_to_end(key)
                 self._counts["cache_hits"] += count
                 return fut
             fut = self._pool.submit(self._compile, spec)
-            self._cache[spec.key] = fut
+            self._cache[key] = fut
             while len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return fut
@@ -176,8 +180,8 @@ class GrammarBook:
         return self.compiler.stats(requests=self._requests, mask_seconds=self._mask_seconds,
                                    masked_rows=self._masked_rows)
 
-    def add(self, request_id: str, spec: StructuredOutput) -> None:
-        self._pending[request_id] = self.compiler.submit(spec, count=False)
+    def add(self, request_id: str, spec: StructuredOutput, scope: str | None = None) -> None:
+        self._pending[request_id] = self.compiler.submit(spec, scope, count=False)
         self._requests += 1
 
     def constrained(self, request_id: str) -> bool:
