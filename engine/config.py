@@ -193,9 +193,9 @@ class EngineConfig:
     """Torch intra-op threads; None uses the cores available to this process."""
     quantization: str = "none"
     """Weight-only quantization (vLLM's flag): none (the serving dtype; a GGUF's blocks
-    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 blocks as they are), int8 (per output channel)
-    or int4 (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else none.
-    CPU only so far (engine/worker/quant.py)."""
+    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are), int8 (per output
+    channel) or int4 (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else
+    none. CPU only so far (engine/worker/quant.py)."""
     stack_decode_min_batch: int = 1
     """Decode-only steps of at least this many sequences run every layer in one native call
     (kernels/csrc/decode_forward.cpp); 0 keeps every step layer by layer. build_config takes it

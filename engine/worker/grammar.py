@@ -184,9 +184,6 @@ class GrammarBook:
         self._pending[request_id] = self.compiler.submit(spec, scope, count=False)
         self._requests += 1
 
-    def constrained(self, request_id: str) -> bool:
-        return request_id in self._matchers or request_id in self._pending
-
     def ready(self, request_id: str) -> bool:
         """False while the request's grammar compiles (it waits in the queue meanwhile)."""
         fut = self._pending.get(request_id)

@@ -1,19 +1,22 @@
-"""Weight-only quantized linears on torch's own kernels (issue 31, first part).
+"""Weight-only quantized linears (issue 31, first part).
 
     mode   weights kept                                   kernel (CPU)
     none   the serving dtype (GGUF blocks dequantized)    the fp32 path (native panels)
-    gguf   the file's Q4_0 / Q4_1 blocks, as they are:    _weight_int4pack_mm_for_cpu, group 32
-           codes q in 0..15, w = (q - 8) * d + zero       (Q4_1: zero = m + 8d; Q4_0: zero = 0)
+    gguf   the file's Q4_0 / Q4_1 blocks, as they are:    the native q4_linear (integer dots), or
+           codes q in 0..15, w = (q - 8) * d + zero       _weight_int4pack_mm_for_cpu, group 32
+           (Q4_1: zero = m + 8d; Q4_0: zero = 0)          without the extension
     int4   any fp32 weight, 4 bits, groups of 32,         the same
            asymmetric (min/max per group)
     int8   any fp32 weight, 8 bits per output channel     _weight_int8pack_mm
            (symmetric)
 
-torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x slower), so a
-quantized linear rounds its input to bf16 and returns fp32: norms, residual stream, RoPE and
-attention stay fp32. The tied embedding and LM head become one int8 table (per-row scales): the
-lookup dequantizes the rows it takes, the head runs the int8 kernel. Quantized weights leave the
-one-call native decode stack out (it reads fp32 panels): steps run layer by layer.
+torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x slower), so
+such a linear rounds its input to bf16 and returns fp32; the native kernel writes its input as
+two int8 terms per block of 32 (kernels/csrc/q4_linear.cpp). Norms, residual stream, RoPE and
+attention stay fp32. The embedding and LM head become 8-bit groups of 32 (the file's Q8_0
+blocks in gguf mode) on torch's int4 kernel as two planes; a tied embedding decodes the rows it
+takes from the head's packed bytes. Quantized weights leave the one-call native decode stack out
+(it reads fp32 panels): steps run layer by layer.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class Int4Weight(QuantWeight):
 
 
 class Int8Weight(QuantWeight):
-    """Per-output-channel symmetric int8; `rows(ids)` dequantizes rows (a tied embedding)."""
+    """Per-output-channel symmetric int8 (the int8 mode's linears)."""
 
     def __init__(self, w: torch.Tensor):
         w = w.float()
@@ -181,9 +184,6 @@ class Int8Weight(QuantWeight):
     def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q,
                                                    self.scale_bf16).float()
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].float() * self.scale[ids, None]
 
 
 class Int8GroupWeight(QuantWeight):
