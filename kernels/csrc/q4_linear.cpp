@@ -69,13 +69,14 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// sum_b a[b] * b_[b] over n values (the zero terms: a block's zero times its exact x sum).
+// sum_i a[i] b[i] over n values (the zero terms: each block's zero times its exact x sum).
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float out = 0.f;
 #ifdef __AVX2__
   __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   out = hsum(acc);
 #endif
   for (; i < n; ++i) out += a[i] * b[i];
@@ -95,6 +96,13 @@ inline __m256 block_dot(__m256i q, const int8_t* x) {
   return _mm256_cvtepi32_ps(
       _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1)));
 }
+
+// acc + the weight block (codes q, scale wd) times activation block xb, both int8 terms.
+inline __m256 add_block(__m256 acc, __m256i q, float wd, const int8_t* xq, const int8_t* xr,
+                        const float* xs, const float* xrs, int64_t xb) {
+  acc = _mm256_fmadd_ps(block_dot(q, xq + xb * kGroup), _mm256_set1_ps(wd * xs[xb]), acc);
+  return _mm256_fmadd_ps(block_dot(q, xr + xb * kGroup), _mm256_set1_ps(wd * xrs[xb]), acc);
+}
 #endif
 
 // Output rows [n0, n1) for every row of x, up to kMaxRows rows of x at a time per weight block.
@@ -107,10 +115,10 @@ void rows_range(const uint8_t* codes, const float* d, const float* z, const int8
   constexpr int kMaxRows = 4;
   // weights outer: a weight row (a few hundred bytes) stays in L1 while every row of x passes
   for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wc = codes + n * nb * 16;
+    const float* wd = d + n * nb;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
-      const uint8_t* wc = codes + n * nb * 16;
-      const float* wd = d + n * nb;
 #ifdef __AVX2__
       __m256 acc0[kMaxRows], acc1[kMaxRows];
       for (int r = 0; r < mr; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
@@ -119,25 +127,14 @@ void rows_range(const uint8_t* codes, const float* d, const float* z, const int8
         const __m256i q0 = unpack_block(wc + b * 16), q1 = unpack_block(wc + (b + 1) * 16);
         for (int r = 0; r < mr; ++r) {
           const int64_t xb = (m0 + r) * nb + b;
-          acc0[r] = _mm256_fmadd_ps(block_dot(q0, xq + xb * kGroup),
-                                    _mm256_set1_ps(wd[b] * xs[xb]), acc0[r]);
-          acc0[r] = _mm256_fmadd_ps(block_dot(q0, xr + xb * kGroup),
-                                    _mm256_set1_ps(wd[b] * xrs[xb]), acc0[r]);
-          acc1[r] = _mm256_fmadd_ps(block_dot(q1, xq + (xb + 1) * kGroup),
-                                    _mm256_set1_ps(wd[b + 1] * xs[xb + 1]), acc1[r]);
-          acc1[r] = _mm256_fmadd_ps(block_dot(q1, xr + (xb + 1) * kGroup),
-                                    _mm256_set1_ps(wd[b + 1] * xrs[xb + 1]), acc1[r]);
+          acc0[r] = add_block(acc0[r], q0, wd[b], xq, xr, xs, xrs, xb);
+          acc1[r] = add_block(acc1[r], q1, wd[b + 1], xq, xr, xs, xrs, xb + 1);
         }
       }
       for (; b < nb; ++b) {
         const __m256i q0 = unpack_block(wc + b * 16);
-        for (int r = 0; r < mr; ++r) {
-          const int64_t xb = (m0 + r) * nb + b;
-          acc0[r] = _mm256_fmadd_ps(block_dot(q0, xq + xb * kGroup),
-                                    _mm256_set1_ps(wd[b] * xs[xb]), acc0[r]);
-          acc0[r] = _mm256_fmadd_ps(block_dot(q0, xr + xb * kGroup),
-                                    _mm256_set1_ps(wd[b] * xrs[xb]), acc0[r]);
-        }
+        for (int r = 0; r < mr; ++r)
+          acc0[r] = add_block(acc0[r], q0, wd[b], xq, xr, xs, xrs, (m0 + r) * nb + b);
       }
       for (int r = 0; r < mr; ++r)
         y[(m0 + r) * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r]))
