@@ -4,33 +4,23 @@
 The text's token ids are cut into windows; each window runs as one prompt with prompt logprobs,
 and every position past the window's first `warmup` tokens is scored: the top-1 prediction and
 -log p(true next token). Two engines that score the same ids compare by top-1 agreement and by
-perplexity.
+perplexity (sparse_eval's ModeResult and agreement).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 from tierserve.engine.llm import LLM
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.worker.sparse_eval import ModeResult, agreement
+
+__all__ = ["agreement", "perplexity_change", "score"]
 
 
-@dataclass
-class Scores:
-    top1: list[int] = field(default_factory=list)
-    nll: list[float] = field(default_factory=list)
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(sum(self.nll) / max(1, len(self.nll)))
-
-
-def score(llm: LLM, ids: list[int], window: int = 512, warmup: int = 64) -> Scores:
+def score(llm: LLM, ids: list[int], window: int = 512, warmup: int = 64) -> ModeResult:
     """Scores of every position past each window's warm-up (windows side by side in a batch)."""
     windows = [ids[i:i + window] for i in range(0, len(ids) - warmup - 1, window)]
     outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
-    s = Scores()
+    s = ModeResult()
     for out in outs:
         lps = out.prompt_logprobs  # position p: logprob of token p given those before it
         for p in range(warmup + 1, len(lps)):
@@ -40,10 +30,6 @@ def score(llm: LLM, ids: list[int], window: int = 512, warmup: int = 64) -> Scor
     return s
 
 
-def agreement(a: Scores, b: Scores) -> float:
-    return sum(x == y for x, y in zip(a.top1, b.top1)) / max(1, len(a.top1))
-
-
-def perplexity_change(test: Scores, reference: Scores) -> float:
+def perplexity_change(test: ModeResult, reference: ModeResult) -> float:
     """Relative change of perplexity, e.g. 0.004 for +0.4%."""
     return test.perplexity / reference.perplexity - 1
