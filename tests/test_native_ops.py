@@ -179,10 +179,10 @@ class _CountingOps:
     def __getattr__(self, name):
         return getattr(self.ops, name)
 
-    def decode_forward(self, *args):
+    def decode_forward(self, *args, **kwargs):
         self.calls += 1
         self.teams.add(args[-1])
-        return self.ops.decode_forward(*args)
+        return self.ops.decode_forward(*args, **kwargs)
 
 
 def _greedy_logprobs(engine, prompts, salt: str):

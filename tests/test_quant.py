@@ -15,9 +15,9 @@ from tierserve.engine.llm import LLM
 from tierserve.engine.llm_engine import resolve_quantization
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
-from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8GroupWeight,
-                                           QuantizationError, blocks_to_groups, gguf_weight,
-                                           quantize_int4, quantize_int8_groups)
+from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Groups,
+                                           Int8GroupWeight, QuantizationError, blocks_to_groups,
+                                           gguf_weight, quantize_int4, quantize_int8_groups)
 from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
 
 TEXT = (Path(__file__).parent / "data" / "long_text.md").read_text()
@@ -72,14 +72,77 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
     assert err(Int4Weight(quantize_int4(w))(x)) < 0.01
     from tierserve.kernels.native import fused_ops
 
-    ops = fused_ops()  # the native integer-dot kernel: activations in int8 blocks, ~1% off
-    assert err(Int4Weight(g, native=True)(x, ops)) < 0.02
+    ops = fused_ops()
+    native4 = Int4Weight(g, native=True)
+    # the dense form (rows decoded to fp32: exact weights) and the integer form (activations as
+    # two int8 terms per block)
+    assert err(ops.q4_linear(x, native4.codes, native4.d, native4.z, 1)) < 1e-5
+    x64 = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(2))
+    ref64 = x64 @ w.t()  # a prefill-sized batch: the rows decoded into the fp32 path's panels
+    y64 = ops.q4_linear(x64, native4.codes, native4.d, native4.z, 1)
+    assert float((y64 - ref64).norm() / ref64.norm()) < 1e-5
+    assert err(ops.q4_linear(x, native4.codes, native4.d, native4.z, 0)) < 1e-3
+    assert err(native4(x, ops)) < 1e-3
     assert err(Int4Weight(shuffled, native=True)(x, ops)) > 0.3
     assert err(Int4Weight(g, native=True)(x)) < 0.01  # no extension: torch's packing, made once
     q8 = quantize_int8_groups(w)
     back = (q8.q.float().view(w.shape[0], -1, GROUP) * q8.scale[..., None]).view(w.shape)
     assert ((back - w).abs().view(w.shape[0], -1, GROUP) <= q8.scale[..., None] / 2 + 1e-7).all()
     assert err(Int8GroupWeight(q8)(x)) < 0.01
+    # the native Q8_0 head kernel (integer dots), the embedding rows from the same bytes (exact)
+    native = Int8GroupWeight(e, native=True)
+    assert torch.equal(native.rows(ids), exact)
+    hx = torch.randn(3, e.q.shape[1], generator=torch.Generator().manual_seed(1))
+    href = hx @ Int8GroupWeight(e, native=True).rows(torch.arange(e.q.shape[0])).t()
+    herr = lambda y: float((y - href).norm() / href.norm())  # noqa: E731
+    assert herr(ops.q8_linear(hx, native.q8, native.d, 1)) < 1e-5
+    hx64 = torch.randn(50, e.q.shape[1], generator=torch.Generator().manual_seed(3))
+    want = hx64 @ native.rows(torch.arange(e.q.shape[0])).t()
+    got = ops.q8_linear(hx64, native.q8, native.d, 1)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert herr(ops.q8_linear(hx, native.q8, native.d, 0)) < 1e-3
+    assert herr(native(hx, ops)) < 1e-3
+    flipped = Int8Groups(e.q.view(-1, GROUP).flip(-1).reshape(e.q.shape), e.scale)
+    assert herr(Int8GroupWeight(flipped, native=True)(hx, ops)) > 0.3
+    assert herr(native(hx)) < 0.01  # no extension: torch's planes, made once
+
+
+@pytest.mark.parametrize("threads,dense", [(1, True), (2, True), (2, False)])
+def test_gguf_decode_stack_in_one_call_is_bit_identical(gguf_llm, varied_prompts, monkeypatch,
+                                                        threads, dense):
+    """The native 4-bit linears run inside the one-call decode stack (decode_forward.cpp: each
+    member takes its run of output columns, in the dense form from the fp32 rows, in the integer
+    form from the rows each member quantized): tokens and logprobs equal the layer-by-layer
+    path's (q4_linear per layer) to the bit, in both forms."""
+    from test_native_ops import _CountingOps, _greedy_logprobs
+
+    llm = gguf_llm
+    model = llm.engine.runner.model
+    assert model._stack is not None and len(model._qstack) == 8 * len(model.layers)
+    assert model._stack[1].dtype == torch.uint8  # the qkv codes, not fp32 panels
+    counting = _CountingOps(model.ops)
+    monkeypatch.setattr(model, "ops", counting)
+    prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
+    old, dense_rows = torch.get_num_threads(), counting.quant_dense_min_rows()
+    torch.set_num_threads(threads)
+    counting.set_quant_dense_min_rows(1 if dense else 1 << 20)
+    try:
+        monkeypatch.setattr(model, "stack_decode_min_batch", 1)
+        one_call = _greedy_logprobs(llm.engine, prompts, f"qstack-{threads}-{dense}")
+        assert counting.calls >= 8 and counting.teams == {threads}
+        monkeypatch.setattr(model, "stack_decode_min_batch", 0)
+        calls = counting.calls
+        by_layer = _greedy_logprobs(llm.engine, prompts, f"qlayers-{threads}-{dense}")
+        assert counting.calls == calls
+    finally:
+        torch.set_num_threads(old)
+        counting.set_quant_dense_min_rows(dense_rows)
+    assert one_call == by_layer
+
+
+@pytest.fixture(scope="module")
+def gguf_llm() -> LLM:
+    return LLM(quantization="gguf", kv_cache_memory_bytes=1 << 28)
 
 
 def test_refusals_name_the_tensor_and_the_mode(source):

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears (issue 31, first part).
+"""Weight-only quantized linears (issue 31).
 
     mode   weights kept                                   kernel (CPU)
     none   the serving dtype (GGUF blocks dequantized)    the fp32 path (native panels)
@@ -11,12 +11,13 @@
            (symmetric)
 
 torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x slower), so
-such a linear rounds its input to bf16 and returns fp32; the native kernel writes its input as
-two int8 terms per block of 32 (kernels/csrc/q4_linear.cpp). Norms, residual stream, RoPE and
+such a linear rounds its input to bf16 and returns fp32; the native kernels write their input as
+two int8 terms per block of 32 (kernels/csrc/quant_linear.cpp). Norms, residual stream, RoPE and
 attention stay fp32. The embedding and LM head become 8-bit groups of 32 (the file's Q8_0
-blocks in gguf mode) on torch's int4 kernel as two planes; a tied embedding decodes the rows it
-takes from the head's packed bytes. Quantized weights leave the one-call native decode stack out
-(it reads fp32 panels): steps run layer by layer.
+blocks in gguf mode): the native q8_linear, or torch's int4 kernel as two planes; a tied
+embedding decodes the rows it takes from the bytes the head reads. The native 4-bit linears run
+inside the one-call decode stack too (decode_forward.cpp takes their codes and scales); other
+quantized kernels keep decode steps layer by layer.
 """
 
 from __future__ import annotations
@@ -187,28 +188,46 @@ class Int8Weight(QuantWeight):
 
 
 class Int8GroupWeight(QuantWeight):
-    """Int8Groups on the int4 kernel, as two 4-bit planes: with u = q + 128 = 16 hi + lo,
-    w = s q = [(hi - 8) 16s + 0] + [(lo - 8) s + 8s], so x W^T is the sum of two int4 GEMMs
-    (group 32) and the weights are exactly the groups' (Q8_0's), 1 byte a weight plus scales.
-    rows(ids) decodes the same packed planes, so a tied embedding costs nothing more."""
+    """Int8Groups (GGUF's Q8_0, or 8-bit groups of any weights) for two kernels: the native
+    extension's q8_linear (codes [out, in] int8 and d [out, in / 32] fp32, integer dots, 1.1 bytes
+    a weight) when `native` and `ops` is given; else torch's int4 kernel as two 4-bit planes:
+    with u = q + 128 = 16 hi + lo, w = s q = [(hi - 8) 16s + 0] + [(lo - 8) s + 8s], so x W^T is
+    the sum of two int4 GEMMs (group 32). Either way the weights are exactly the groups', and
+    rows(ids) decodes the bytes the head reads, so a tied embedding costs nothing more."""
 
-    def __init__(self, g: Int8Groups):
+    def __init__(self, g: Int8Groups, native: bool = False):
+        self.out_features = g.q.shape[0]
+        self.native = native
+        self.q8 = self.d = self.hi = self.lo = None
+        if native:
+            self.q8 = g.q.to(torch.int8).contiguous()
+            self.d = g.scale.float().contiguous()
+            self.nbytes = self.q8.nbytes + self.d.nbytes
+        else:
+            self._planes(g)
+
+    def _planes(self, g: Int8Groups) -> None:
         u = g.q + 128
         s = g.scale
         self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, torch.zeros_like(s)))
         self.lo = Int4Weight(Int4Groups(u & 15, s, 8 * s))
-        self.out_features = g.q.shape[0]
         self.nbytes = self.hi.nbytes + self.lo.nbytes
+        self.q8 = self.d = None
+        self.native = False
         _check_pack_layout()
 
     def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        # torch's kernel on both planes, also where the native one runs the linears: on the
-        # native planes (fp32 d and z) the head read 1.5 bytes a weight and a token took 1 ms
-        # more (15.3 against 14.3 ms, one stream, 2-core Xeon)
+        if self.q8 is not None and ops is not None:
+            return ops.q8_linear(x.float(), self.q8, self.d)
+        if self.q8 is not None:  # the native path was turned off: torch's planes, once
+            self._planes(Int8Groups(self.q8.int(), self.d))
         return self.hi(x) + self.lo(x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The weight's rows `ids`, [n, in] fp32, from the packed planes and the lo scales."""
+        """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""
+        if self.q8 is not None:
+            q = self.q8[ids].float().view(len(ids), -1, GROUP)
+            return (q * self.d[ids][..., None]).view(len(ids), -1)
         hi, lo = _unpack_rows(self.hi.packed, ids), _unpack_rows(self.lo.packed, ids)
         scale = self.lo.scales_zeros[:, ids, 0].t().float()  # [n, in / 32]
         q = (16 * hi + lo - 128).float().view(len(ids), -1, GROUP)
@@ -277,7 +296,7 @@ def gguf_weight(names: list[str], blocks: dict, native: bool = False) -> QuantWe
     groups = [blocks_to_groups(blocks[n]) for n in names]
     if kinds == {"Q8_0"}:
         return Int8GroupWeight(Int8Groups(*(torch.cat(t) for t in zip(
-            *(dataclasses.astuple(g) for g in groups)))))
+            *(dataclasses.astuple(g) for g in groups)))), native)
     return Int4Weight(Int4Groups.cat(groups), native)
 
 
@@ -309,33 +328,41 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
         else:
             lin.quantize(Int8Weight(lin.weight.detach()))
         q = lin._quant
-        kinds[type(q).__name__] = (_NATIVE_INT4 if getattr(q, "native", False)
-                                   else _KERNELS[type(q)])
-    embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks)
+        kinds[type(q).__name__] = _kernel(q)
+    embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks, native)
     head = embed if model.config.tie_word_embeddings else _table(
-        mode, "lm_head.weight", model.lm_head.weight, blocks)
+        mode, "lm_head.weight", model.lm_head.weight, blocks, native)
     model.lm_head.quantize(head)
     model.embed_tokens = QuantEmbedding(embed)
-    kinds["lm_head"] = _KERNELS[type(head)] + (" (tied: the embedding reads the same bytes)"
+    kinds["lm_head"] = _kernel(head) + (" (tied: the embedding reads the same bytes)"
                                                if head is embed else "")
     return kinds
 
 
 _NATIVE_INT4 = ("int4 groups of 32 by integer dot products (native q4_linear, activations "
                 "in int8 blocks)")
+_NATIVE_INT8 = ("int8 groups of 32 by integer dot products (native q8_linear, activations in "
+                "int8 blocks)")
 _KERNELS: dict[type, str] = {
     Int4Weight: "int4 groups of 32 (_weight_int4pack_mm_for_cpu, bf16 activations)",
     Int8Weight: "int8 per channel (_weight_int8pack_mm, bf16 activations)",
     Int8GroupWeight: "int8 groups of 32 (two int4 planes, bf16 activations)"}
 
 
-def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict) -> Int8GroupWeight:
+def _kernel(q: QuantWeight) -> str:
+    if getattr(q, "native", False):
+        return _NATIVE_INT8 if isinstance(q, Int8GroupWeight) else _NATIVE_INT4
+    return _KERNELS[type(q)]
+
+
+def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict,
+           native: bool) -> Int8GroupWeight:
     """The embedding (and LM head): 8-bit groups of 32 (the file's own Q8_0 blocks in gguf mode
     when it has them); one scale per row lost too much: 95% top-1 agreement against 98.7%."""
     b = blocks.get(name) if mode == "gguf" else None
     if b is not None and b.kind == "Q8_0":
-        return Int8GroupWeight(blocks_to_groups(b))
-    return Int8GroupWeight(quantize_int8_groups(weight.detach()))
+        return Int8GroupWeight(blocks_to_groups(b), native)
+    return Int8GroupWeight(quantize_int8_groups(weight.detach()), native)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -345,6 +372,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for m in model.modules():
         w = getattr(m, "_quant", None) or getattr(m, "table", None)
         parts = [w.hi, w.lo] if isinstance(w, Int8GroupWeight) else [w]
+        if isinstance(w, Int8GroupWeight) and w.q8 is not None:
+            tensors += [w.q8, w.d]
         for p in parts:
             if isinstance(p, Int4Weight):
                 tensors += [t for t in (p.packed, p.scales_zeros, p.codes, p.d, p.z)

@@ -7,7 +7,8 @@
 namespace {
 
 // The Python signature of the decode stack: DecodeStackArgs' fields in order, the sparse ones
-// last (decode_forward_sparse's callers pass them; decode_forward's leave them out).
+// next to last (decode_forward_sparse's callers pass them; decode_forward's leave them out), the
+// 4-bit linears' scales last (by keyword).
 at::Tensor decode_forward_py(at::Tensor x, at::Tensor residual, at::Tensor positions,
                              at::Tensor slots, std::vector<at::Tensor> weights,
                              at::Tensor final_norm, std::vector<at::Tensor> kv_caches,
@@ -16,13 +17,13 @@ at::Tensor decode_forward_py(at::Tensor x, at::Tensor residual, at::Tensor posit
                              int64_t num_heads, int64_t num_kv_heads, int64_t team,
                              std::vector<at::Tensor> summaries, c10::optional<at::Tensor> topk,
                              int64_t dense_layers, c10::optional<at::Tensor> selected,
-                             c10::optional<at::Tensor> stats) {
+                             c10::optional<at::Tensor> stats, std::vector<at::Tensor> qweights) {
   return decode_forward(DecodeStackArgs{
       std::move(x), std::move(residual), std::move(positions), std::move(slots),
       std::move(weights), std::move(final_norm), std::move(kv_caches), std::move(cos),
       std::move(sin_signed), std::move(block_tables), std::move(context_lens), block_size, scale,
       eps, num_heads, num_kv_heads, team, std::move(summaries), topk.value_or(at::Tensor()),
-      dense_layers, std::move(selected), std::move(stats)});
+      dense_layers, std::move(selected), std::move(stats), std::move(qweights)});
 }
 
 // Both names take the same arguments (positional, as the model passes them). The GIL is released
@@ -35,7 +36,8 @@ void def_decode_stack(py::module_& m, const char* name, const char* doc) {
         py::arg("num_kv_heads"), py::arg("team"),
         py::arg("summaries") = std::vector<at::Tensor>(), py::arg("topk") = py::none(),
         py::arg("dense_layers") = 0, py::arg("selected") = py::none(),
-        py::arg("stats") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("stats") = py::none(), py::arg("qweights") = std::vector<at::Tensor>(),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace
@@ -51,8 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x W^T (+ b) over packed panels", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("q4_linear", &q4_linear, "x W^T for 4-bit weight groups by integer dot products",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("z"),
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("form") = -1,
         py::call_guard<py::gil_scoped_release>());
+  m.def("q8_linear", &q8_linear, "x W^T for 8-bit weight groups by integer dot products",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("form") = -1,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("set_quant_dense_min_rows", &set_quant_dense_min_rows,
+        "batches of at least this many rows take the quantized kernels' dense form");
+  m.def("quant_dense_min_rows", &quant_dense_min_rows, "the current dense-form threshold");
   m.def("set_spin_us", &ts::set_spin_us, "how long idle workers stay awake between loops");
   m.def("spin_us", &ts::spin_us, "the current worker spin time");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");

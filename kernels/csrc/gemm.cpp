@@ -41,7 +41,8 @@ void panel_scalar(const float* A, int64_t lda, const float* P, int64_t K, const 
 }  // namespace
 
 void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
-                   const float* bp, float* C, int64_t begin, int64_t end) {
+                   const float* bp, float* C, int64_t begin, int64_t end, int64_t ldc) {
+  if (ldc < 0) ldc = N;
 #if defined(__AVX512F__)
   // Groups of up to 3 panels, each swept by the wide tiles over all rows; with several tiles
   // per group, each prefetches its share of the next group (tile.h).
@@ -56,7 +57,7 @@ void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const floa
       rows = ts::tile_rows_wide(M, t);
       const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
       ts::kTilesWide[nb - 1][rows](A + m0 * lda, lda, P + p * K * kNR, K * kNR, K,
-                                   bp ? bp + p * kNR : nullptr, C + m0 * N + p * kNR, N, last,
+                                   bp ? bp + p * kNR : nullptr, C + m0 * ldc + p * kNR, ldc, last,
                                    next + l0 * 64, l1 - l0);
     }
   }
@@ -68,10 +69,10 @@ void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const floa
     for (int64_t t = 0, m0 = 0, rows = 0; m0 < M; ++t, m0 += rows) {
       rows = ts::tile_rows(M, t);
 #if defined(__AVX2__) && defined(__FMA__)
-      ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * N + p * kNR, N,
+      ts::kTiles<false>[rows](A + m0 * lda, lda, panel, kNR, K, pb, C + m0 * ldc + p * kNR, ldc,
                               ncols);
 #else
-      panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * N + p * kNR, N, rows, ncols);
+      panel_scalar(A + m0 * lda, lda, panel, K, pb, C + m0 * ldc + p * kNR, ldc, rows, ncols);
 #endif
     }
   }

@@ -156,8 +156,49 @@ void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
 at::Tensor argmax_rows(at::Tensor x);
 
 // y [M, N] = x [M, K] . W^T for 4-bit weights in groups of 32, w = d q + z (q in 0..15): codes
-// [N, K/32, 16] uint8 in GGUF's nibble order, d and z [N, K/32] fp32 (csrc/q4_linear.cpp).
-at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z);
+// [N, K/32, 16] uint8 in GGUF's nibble order, d and z [N, K/32] fp32 (csrc/quant_linear.cpp).
+at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t form);
+
+// The same kernel's parts, for callers that split the work themselves (decode_forward.cpp).
+// A weight: codes [N, K/32, 16], d and z [N, K/32] (pointers into the caller's tensors).
+struct Q4Linear {
+  const uint8_t* codes;
+  const float *d, *z;
+  int64_t N, K;
+};
+Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z);
+// Activations as the kernel takes them: per block of 32 of a row, two int8 terms (xq with scale
+// xs, the residual xr with xrs) and the block's exact sum; rows of K values laid end to end.
+struct Q4Acts {
+  std::vector<int8_t> xq, xr;
+  std::vector<float> xs, xrs, xsum;
+  void resize(int64_t rows, int64_t cols);  // room for rows x cols values
+};
+// Rows [m0, m1) of x (K columns, row stride lda) quantized into the same rows of a.
+void q4_quantize_rows(const float* x, int64_t lda, int64_t K, int64_t m0, int64_t m1, Q4Acts& a);
+// Columns [n0, n1) of y [M, w.N] = a's M rows (w.K values each) . W^T (+ bias [N] if given).
+void q4_linear_cols(const Q4Linear& w, const Q4Acts& a, const float* bias, float* y, int64_t M,
+                    int64_t n0, int64_t n1);
+
+// y [M, N] = x [M, K] . W^T for 8-bit weights in groups of 32, w = d q (GGUF's Q8_0): codes
+// [N, K] int8, d [N, K/32] fp32; activations as q4_linear takes them.
+at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t form);
+struct Q8Linear {
+  const int8_t* codes;
+  const float* d;
+  int64_t N, K;
+};
+void q8_linear_cols(const Q8Linear& w, const Q4Acts& a, float* y, int64_t M, int64_t n0,
+                    int64_t n1);
+// Batches of at least this many rows take the dense form (q4_linear / q8_linear with form -1,
+// and the decode stack); fewer take the integer form.
+int64_t quant_dense_min_rows();
+void set_quant_dense_min_rows(int64_t rows);
+// The dense form: weight rows decoded to fp32, fp32 dots with x [M, K] (row stride lda).
+void q4_dense_cols(const Q4Linear& w, const float* x, int64_t lda, const float* bias, float* y,
+                   int64_t M, int64_t n0, int64_t n1);
+void q8_dense_cols(const Q8Linear& w, const float* x, int64_t lda, float* y, int64_t M,
+                   int64_t n0, int64_t n1);
 
 // W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
 at::Tensor pack_linear_weight(at::Tensor w);
@@ -175,10 +216,11 @@ inline at::Tensor panel_bias(const at::Tensor& bias, int64_t panels) {
   return b;
 }
 
-// Panels [begin, end) of packed_linear's product on the calling thread: C [M, N] (row stride N)
-// from A [M, K] (row stride lda), panels P, bias padded to whole panels (or null).
+// Panels [begin, end) of packed_linear's product on the calling thread: C [M, N] (row stride
+// ldc, N where it is -1) from A [M, K] (row stride lda), panels P, bias padded to whole panels
+// (or null).
 void linear_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* P, int64_t N,
-                   const float* bias, float* C, int64_t begin, int64_t end);
+                   const float* bias, float* C, int64_t begin, int64_t end, int64_t ldc = -1);
 
 // The decoder layers for a step of decodes only (decode_forward.cpp), as one value: the Python
 // binding (bindings.cpp) fills it once, so the argument list is written in one place. B rows
@@ -191,7 +233,7 @@ struct DecodeStackArgs {
   at::Tensor slots;          // [B] int64, where each row's K and V are stored
   std::vector<at::Tensor> weights;  // 7 per layer: input norm, qkv panels, qkv bias or an empty
                                     // tensor, o panels, post-attention norm, gate_up panels, down
-                                    // panels (pack_linear_weight's)
+                                    // panels (pack_linear_weight's, or 4-bit codes: qweights)
   at::Tensor final_norm;     // [hidden]
   std::vector<at::Tensor> kv_caches;  // one per layer, [2, Hkv, S, D] fp32 or fp16
   at::Tensor cos, sin_signed;         // RoPE tables [max_pos, D] (rope_store_kv_)
@@ -208,6 +250,9 @@ struct DecodeStackArgs {
   at::Tensor topk;
   int64_t dense_layers;
   c10::optional<at::Tensor> selected, stats;
+  // 4-bit linears: where a layer's weights entry holds q4_linear's codes (uint8) in place of
+  // panels, its d and z are here, 8 per layer (qkv, o, gate_up, down); empty when none are.
+  std::vector<at::Tensor> qweights;
 };
 
 // Runs every layer of `args` and returns args.x. `team` threads take every layer together (each

@@ -170,16 +170,23 @@ class LlamaForCausalLM(nn.Module):
                 m.ops = ops
             if isinstance(m, Linear):
                 m.pack(batch_hint)
-        self._stack = None
-        if ops is not None and not self.config.qk_norm and all(
-                lin._panels is not None for lin in self.modules() if isinstance(lin, Linear)):
-            none = torch.empty(0)
-            self._stack = [t for layer in self.layers for t in (
-                layer.input_layernorm.weight, layer.self_attn.qkv_proj._panels,
-                none if layer.self_attn.qkv_proj.bias is None
-                else layer.self_attn.qkv_proj._panel_bias,
-                layer.self_attn.o_proj._panels, layer.post_attention_layernorm.weight,
-                layer.mlp.gate_up_proj._panels, layer.mlp.down_proj._panels)]
+        self._stack, self._qstack = None, []
+        linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj] for layer in self.layers]
+        if ops is None or self.config.qk_norm or not all(
+                _stack_weight(lin) is not None for lins in linears for lin in lins):
+            return
+        none = torch.empty(0)
+        self._stack = []
+        for layer, (qkv, o, gate_up, down) in zip(self.layers, linears):
+            bias = none if qkv.bias is None else (
+                qkv._panel_bias if qkv._panel_bias is not None else qkv.bias.detach())
+            self._stack += [layer.input_layernorm.weight, _stack_weight(qkv), bias,
+                            _stack_weight(o), layer.post_attention_layernorm.weight,
+                            _stack_weight(gate_up), _stack_weight(down)]
+        if any(lin._quant is not None for lins in linears for lin in lins):
+            self._qstack = [t for lins in linears for lin in lins for t in (
+                (lin._quant.d, lin._quant.z) if lin._quant is not None else (none, none))]
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
@@ -214,6 +221,14 @@ class LlamaForCausalLM(nn.Module):
                 torch.get_num_threads())
         sp = ctx.sparse
         if sp is None:
-            return self.ops.decode_forward(*args)
+            return self.ops.decode_forward(*args, qweights=self._qstack)
         return self.ops.decode_forward_sparse(*args, sp.summaries, sp.topk, sp.dense_layers,
-                                              sp.selected, sp.stats)
+                                              sp.selected, sp.stats, qweights=self._qstack)
+
+
+def _stack_weight(lin: Linear) -> torch.Tensor | None:
+    """What decode_forward takes for this linear: its fp32 panels, or its 4-bit codes (the native
+    q4_linear's packing: d and z go in the call's qweights); None where it runs another kernel."""
+    if lin._panels is not None:
+        return lin._panels
+    return getattr(lin._quant, "codes", None)
