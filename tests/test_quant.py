@@ -57,87 +57,85 @@ def test_blocks_decode_to_the_files_weights(source, gguf_path, gguf_name, hf_nam
 def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source):
     g = blocks_to_groups(source.blocks["model.layers.0.mlp.gate_proj.weight"])
     w = g.dequantize()
-    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, w.shape[1], generator=gen)
     ref = x @ w.t()
     err = lambda y: float((y - ref).norm() / ref.norm())  # noqa: E731
-    assert err(Int4Weight(g)(x)) < 0.01  # bf16 activations and scales
+    assert err(Int4Weight(g)(x)) < 0.01  # torch's kernel: bf16 activations and scales
     shuffled = Int4Groups(g.codes.view(-1, GROUP).flip(-1).reshape(g.codes.shape), g.scale,
-                          g.zero)  # each group's codes reversed: the packing a bug would give
+                          g.offset)  # each group's codes reversed: the packing a bug would give
     assert err(Int4Weight(shuffled)(x)) > 0.3
     e = blocks_to_groups(source.blocks["model.embed_tokens.weight"])
     table = Int8GroupWeight(e)
-    ids = torch.tensor([0, 1, 31, 32, 63, 64, 49151])
+    ids = torch.tensor([0, 1, 15, 16, 31, 32, 63, 64, 49151])
     exact = (e.q[ids].float().view(len(ids), -1, GROUP) * e.scale[ids, :, None]).view(len(ids), -1)
     assert torch.allclose(table.rows(ids), exact, rtol=8e-3, atol=0)  # the scales in bf16
     assert err(Int4Weight(quantize_int4(w))(x)) < 0.01
     from tierserve.kernels.native import fused_ops
 
     ops = fused_ops()
+    # the native kernels decode the weights to fp32 and multiply in the fp32 path's order: the
+    # same bits as the fp32 panels of the decoded weights, at every batch size (registers up to
+    # a few rows, the fp32 tiles over decoded panels beyond), with a bias too
+    panels = ops.pack_linear_weight(w)
+    bias = torch.randn(w.shape[0], generator=gen)
     native4 = Int4Weight(g, native=True)
-    # the dense form (rows decoded to fp32: exact weights) and the integer form (activations as
-    # two int8 terms per block)
-    assert err(ops.q4_linear(x, native4.codes, native4.d, native4.z, 1)) < 1e-5
-    x64 = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(2))
-    ref64 = x64 @ w.t()  # a prefill-sized batch: the rows decoded into the fp32 path's panels
-    y64 = ops.q4_linear(x64, native4.codes, native4.d, native4.z, 1)
-    assert float((y64 - ref64).norm() / ref64.norm()) < 1e-5
-    assert err(ops.q4_linear(x, native4.codes, native4.d, native4.z, 0)) < 1e-3
-    assert err(native4(x, ops)) < 1e-3
+    for m in (1, 2, 3, 5, 64):
+        xm = torch.randn(m, w.shape[1], generator=gen)
+        assert torch.equal(native4(xm, ops), ops.packed_linear(xm, panels, w.shape[0]))
+        assert torch.equal(native4(xm, ops, bias), ops.packed_linear(xm, panels, w.shape[0],
+                                                                     bias))
     assert err(Int4Weight(shuffled, native=True)(x, ops)) > 0.3
-    assert err(Int4Weight(g, native=True)(x)) < 0.01  # no extension: torch's packing, made once
+    assert torch.equal(native4.unpack().codes, g.codes)  # the panel order undone
+    assert err(native4(x)) < 0.01  # no extension: torch's packing, made once
     q8 = quantize_int8_groups(w)
     back = (q8.q.float().view(w.shape[0], -1, GROUP) * q8.scale[..., None]).view(w.shape)
     assert ((back - w).abs().view(w.shape[0], -1, GROUP) <= q8.scale[..., None] / 2 + 1e-7).all()
     assert err(Int8GroupWeight(q8)(x)) < 0.01
-    # the native Q8_0 head kernel (integer dots), the embedding rows from the same bytes (exact)
+    # the native Q8_0 head, and the embedding rows from the same bytes (exact)
     native = Int8GroupWeight(e, native=True)
     assert torch.equal(native.rows(ids), exact)
-    hx = torch.randn(3, e.q.shape[1], generator=torch.Generator().manual_seed(1))
-    href = hx @ Int8GroupWeight(e, native=True).rows(torch.arange(e.q.shape[0])).t()
-    herr = lambda y: float((y - href).norm() / href.norm())  # noqa: E731
-    assert herr(ops.q8_linear(hx, native.q8, native.d, 1)) < 1e-5
-    hx64 = torch.randn(50, e.q.shape[1], generator=torch.Generator().manual_seed(3))
-    want = hx64 @ native.rows(torch.arange(e.q.shape[0])).t()
-    got = ops.q8_linear(hx64, native.q8, native.d, 1)
-    assert float((got - want).norm() / want.norm()) < 1e-5
-    assert herr(ops.q8_linear(hx, native.q8, native.d, 0)) < 1e-3
-    assert herr(native(hx, ops)) < 1e-3
+    head = ops.pack_linear_weight(native.rows(torch.arange(e.q.shape[0])))
+    for m in (1, 4, 50):
+        hx = torch.randn(m, e.q.shape[1], generator=gen)
+        assert torch.equal(native(hx, ops), ops.packed_linear(hx, head, e.q.shape[0]))
     flipped = Int8Groups(e.q.view(-1, GROUP).flip(-1).reshape(e.q.shape), e.scale)
+    href = hx @ native.rows(torch.arange(e.q.shape[0])).t()
+    herr = lambda y: float((y - href).norm() / href.norm())  # noqa: E731
     assert herr(Int8GroupWeight(flipped, native=True)(hx, ops)) > 0.3
     assert herr(native(hx)) < 0.01  # no extension: torch's planes, made once
 
 
-@pytest.mark.parametrize("threads,dense", [(1, True), (2, True), (2, False)])
-def test_gguf_decode_stack_in_one_call_is_bit_identical(gguf_llm, varied_prompts, monkeypatch,
-                                                        threads, dense):
-    """The native 4-bit linears run inside the one-call decode stack (decode_forward.cpp: each
-    member takes its run of output columns, in the dense form from the fp32 rows, in the integer
-    form from the rows each member quantized): tokens and logprobs equal the layer-by-layer
-    path's (q4_linear per layer) to the bit, in both forms."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gguf_serves_the_fp32_paths_bits_in_one_call_and_layer_by_layer(
+        llm, gguf_llm, varied_prompts, monkeypatch, threads):
+    """The native kernels decode the file's blocks to the fp32 path's weights and multiply in its
+    order, inside the one-call decode stack (decode_forward.cpp takes the codes) and layer by
+    layer: greedy tokens and logprobs of --quantization gguf equal none's on the same GGUF, to
+    the bit, for contexts of 1 to 1,500 tokens, from a fifth of the weight bytes."""
     from test_native_ops import _CountingOps, _greedy_logprobs
 
-    llm = gguf_llm
-    model = llm.engine.runner.model
+    model = gguf_llm.engine.runner.model
     assert model._stack is not None and len(model._qstack) == 8 * len(model.layers)
     assert model._stack[1].dtype == torch.uint8  # the qkv codes, not fp32 panels
     counting = _CountingOps(model.ops)
     monkeypatch.setattr(model, "ops", counting)
     prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
-    old, dense_rows = torch.get_num_threads(), counting.quant_dense_min_rows()
+    old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    counting.set_quant_dense_min_rows(1 if dense else 1 << 20)
     try:
+        fp32 = _greedy_logprobs(llm.engine, prompts, f"fp32-{threads}")
         monkeypatch.setattr(model, "stack_decode_min_batch", 1)
-        one_call = _greedy_logprobs(llm.engine, prompts, f"qstack-{threads}-{dense}")
+        one_call = _greedy_logprobs(gguf_llm.engine, prompts, f"qstack-{threads}")
         assert counting.calls >= 8 and counting.teams == {threads}
         monkeypatch.setattr(model, "stack_decode_min_batch", 0)
         calls = counting.calls
-        by_layer = _greedy_logprobs(llm.engine, prompts, f"qlayers-{threads}-{dense}")
+        by_layer = _greedy_logprobs(gguf_llm.engine, prompts, f"qlayers-{threads}")
         assert counting.calls == calls
     finally:
         torch.set_num_threads(old)
-        counting.set_quant_dense_min_rows(dense_rows)
-    assert one_call == by_layer
+    assert one_call == by_layer == fp32
+    assert gguf_llm.engine.runner.weight_bytes * 5 <= llm.engine.runner.weight_bytes
 
 
 @pytest.fixture(scope="module")

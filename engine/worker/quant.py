@@ -2,22 +2,21 @@
 
     mode   weights kept                                   kernel (CPU)
     none   the serving dtype (GGUF blocks dequantized)    the fp32 path (native panels)
-    gguf   the file's Q4_0 / Q4_1 blocks, as they are:    the native q4_linear (integer dots), or
-           codes q in 0..15, w = (q - 8) * d + zero       _weight_int4pack_mm_for_cpu, group 32
-           (Q4_1: zero = m + 8d; Q4_0: zero = 0)          without the extension
-    int4   any fp32 weight, 4 bits, groups of 32,         the same
+    gguf   the file's Q4_0 / Q4_1 / Q8_0 blocks, as       the native q4_linear / q8_linear, or
+           they are: w = q d + m (Q4_1), (q - 8) d        torch's _weight_int4pack_mm_for_cpu
+           (Q4_0), q d (Q8_0)                             (group 32) without the extension
+    int4   any fp32 weight, 4 bits, groups of 32,         as gguf's Q4
            asymmetric (min/max per group)
-    int8   any fp32 weight, 8 bits per output channel     _weight_int8pack_mm
-           (symmetric)
+    int8   any fp32 weight, 8 bits in groups of 32        as gguf's Q8_0
+           (symmetric, as GGUF's Q8_0)
 
-torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x slower), so
-such a linear rounds its input to bf16 and returns fp32; the native kernels write their input as
-two int8 terms per block of 32 (kernels/csrc/quant_linear.cpp). Norms, residual stream, RoPE and
-attention stay fp32. The embedding and LM head become 8-bit groups of 32 (the file's Q8_0
-blocks in gguf mode): the native q8_linear, or torch's int4 kernel as two planes; a tied
-embedding decodes the rows it takes from the bytes the head reads. The native 4-bit linears run
-inside the one-call decode stack too (decode_forward.cpp takes their codes and scales); other
-quantized kernels keep decode steps layer by layer.
+The native kernels (kernels/csrc/quant_linear.cpp) decode the weights to fp32 as they use them
+and multiply in the fp32 path's own order, so `gguf` gives what `none` gives on the same file,
+to the bit; they run in the one-call decode stack too (decode_forward.cpp takes their codes and
+scales). torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x
+slower), so there a linear rounds its input to bf16 and returns fp32. The embedding and LM head
+are 8-bit groups of 32 (the file's Q8_0 blocks in gguf mode); a tied embedding decodes the rows
+it takes from the bytes the head reads.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch
 from tierserve.engine.config import QUANTIZATIONS
 
 GROUP = 32
+PANEL = 16
 _INNER_K_TILES = 2
 
 
@@ -40,25 +40,25 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class Int4Groups:
-    """4-bit codes with a scale and zero per group of 32 along the input: w = (q - 8) s + z."""
+    """4-bit codes with a scale and an offset per group of 32 along the input: w = q s + m."""
 
     codes: torch.Tensor
     """[out, in] int32 in 0..15."""
     scale: torch.Tensor
     """[out, in / 32] fp32."""
-    zero: torch.Tensor
-    """[out, in / 32] fp32."""
+    offset: torch.Tensor
+    """[out, in / 32] fp32 (Q4_1's m; Q4_0's -8d; int4's group minimum)."""
 
     @staticmethod
     def cat(parts: list[Int4Groups]) -> Int4Groups:
         """Output rows stacked (q, k, v into one qkv projection)."""
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts])
-                            for f in ("codes", "scale", "zero")))
+                            for f in ("codes", "scale", "offset")))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
-        q = self.codes.view(n, k // GROUP, GROUP).float() - 8
-        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+        q = self.codes.view(n, k // GROUP, GROUP).float()
+        return torch.addcmul(self.offset[..., None], q, self.scale[..., None]).view(n, k)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Groups:
@@ -68,7 +68,7 @@ def quantize_int4(w: torch.Tensor) -> Int4Groups:
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-10)
     codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return Int4Groups(codes.view(n, k), scale, lo + 8 * scale)
+    return Int4Groups(codes.view(n, k), scale, lo)
 
 
 def gguf_q4_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Groups:
@@ -85,8 +85,8 @@ def gguf_q4_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Gr
     qs = blocks[..., head:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
     scale = torch.from_numpy(d)
-    zero = torch.from_numpy(m) + 8 * scale if kind == "Q4_1" else torch.zeros_like(scale)
-    return Int4Groups(torch.from_numpy(codes.astype(np.int32)), scale, zero)
+    offset = torch.from_numpy(m) if kind == "Q4_1" else -8 * scale
+    return Int4Groups(torch.from_numpy(codes.astype(np.int32)), scale, offset)
 
 
 @dataclass(frozen=True)
@@ -119,19 +119,41 @@ def gguf_q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int8Groups:
 
 class QuantWeight:
     """A linear layer's weight packed for its kernel; call it as (x, the native extension or
-    None) -> x W^T."""
+    None, bias or None) -> x W^T + b."""
 
     nbytes: int
 
-    def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         raise NotImplementedError
 
 
+def _panel_rows(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] zero-padded to whole panels of 16 rows, as [n / 16, 16, ...]."""
+    pad = -t.shape[0] % PANEL
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.view(-1, PANEL, *t.shape[1:])
+
+
+def _scales_in_panels(s: torch.Tensor) -> torch.Tensor:
+    """[n, in / 32] -> [n / 16, in / 32, 16]: a block's scales for the panel's 16 rows together."""
+    return _panel_rows(s.float()).transpose(1, 2).contiguous()
+
+
+def _from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[n / 16, X, 16] -> [n, X] (the first n rows)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
 class Int4Weight(QuantWeight):
-    """Two kernels over the same groups: the native extension's integer-dot q4_linear (codes in
-    GGUF's nibble order, w = d q + z in fp32, activations quantized to int8 blocks) when `ops` is
-    given, else torch's int4pack kernel (bf16 activations). Each keeps its own packing, made on
-    first use, so an engine holds one."""
+    """Two kernels over the same groups: the native extension's q4_linear (panel order, below;
+    the weights decoded to fp32 as they are used, the fp32 path's order of arithmetic) when
+    `ops` is given, else torch's int4pack kernel (bf16 activations). Each keeps its own packing,
+    made on first use, so an engine holds one.
+
+    Panel order (kernels/csrc/quant_linear.cpp): codes [n / 16, in / 32, 16, 16] uint8, byte
+    (j, i) of panel p, block b holding row 16p + i's codes at 32b + j (low nibble) and
+    32b + 16 + j (high); d and z (the offset) [n / 16, in / 32, 16] fp32."""
 
     def __init__(self, g: Int4Groups, native: bool = False):
         self.out_features = g.codes.shape[0]
@@ -145,63 +167,54 @@ class Int4Weight(QuantWeight):
         g = self.groups
         if self.native:
             n, k = g.codes.shape
-            c = g.codes.view(n, k // GROUP, 2, 16).to(torch.uint8)
-            self.codes = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()
-            self.d, self.z = g.scale.contiguous(), (g.zero - 8 * g.scale).contiguous()
+            c = _panel_rows(g.codes.to(torch.uint8)).view(-1, PANEL, k // GROUP, 2, 16)
+            c = c.permute(0, 2, 4, 1, 3)  # [panels, blocks, j, i, half]
+            self.codes = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+            self.d, self.z = _scales_in_panels(g.scale), _scales_in_panels(g.offset)
             self.nbytes = self.codes.nbytes + self.d.nbytes + self.z.nbytes
-        else:
+        else:  # torch's kernel: w = (q - 8) s + zero
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.codes,
                                                                             _INNER_K_TILES)
-            self.scales_zeros = torch.stack([g.scale.t(), g.zero.t()], -1).contiguous().to(
+            zero = g.offset + 8 * g.scale
+            self.scales_zeros = torch.stack([g.scale.t(), zero.t()], -1).contiguous().to(
                 torch.bfloat16)
             self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
         self.groups = None
 
-    def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+    def unpack(self) -> Int4Groups:
+        """The groups back from the panel order."""
+        n = self.out_features
+        c = self.codes.permute(0, 3, 1, 2)  # [panels, i, blocks, j]
+        codes = torch.stack([c & 15, c >> 4], 3).reshape(-1, self.codes.shape[1] * GROUP)[:n]
+        return Int4Groups(codes.int(), _from_panels(self.d, n), _from_panels(self.z, n))
+
+    def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.codes is not None and ops is not None:
-            return ops.q4_linear(x.float(), self.codes, self.d, self.z)
+            return ops.q4_linear(x.float(), self.codes, self.d, self.z, self.out_features, bias)
         if self.packed is None:  # the native path was turned off: torch's packing, once
-            lo, hi = (self.codes & 15).int(), (self.codes >> 4).int()
-            codes = torch.stack([lo, hi], 2).view(self.out_features, -1)
-            self.groups, self.native = Int4Groups(codes, self.d, self.z + 8 * self.d), False
+            self.groups, self.native = self.unpack(), False
             self.codes = self.d = self.z = None
             self._pack()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
-                                                        self.scales_zeros)
-        return y.float()
-
-
-class Int8Weight(QuantWeight):
-    """Per-output-channel symmetric int8 (the int8 mode's linears)."""
-
-    def __init__(self, w: torch.Tensor):
-        w = w.float()
-        scale = (w.abs().amax(1) / 127).clamp_min(1e-10)
-        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scale = scale
-        self.scale_bf16 = scale.to(torch.bfloat16)
-        self.nbytes = self.q.nbytes + self.scale.nbytes + self.scale_bf16.nbytes
-
-    def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q,
-                                                   self.scale_bf16).float()
+                                                        self.scales_zeros).float()
+        return y if bias is None else y + bias
 
 
 class Int8GroupWeight(QuantWeight):
     """Int8Groups (GGUF's Q8_0, or 8-bit groups of any weights) for two kernels: the native
-    extension's q8_linear (codes [out, in] int8 and d [out, in / 32] fp32, integer dots, 1.1 bytes
-    a weight) when `native` and `ops` is given; else torch's int4 kernel as two 4-bit planes:
-    with u = q + 128 = 16 hi + lo, w = s q = [(hi - 8) 16s + 0] + [(lo - 8) s + 8s], so x W^T is
-    the sum of two int4 GEMMs (group 32). Either way the weights are exactly the groups', and
-    rows(ids) decodes the bytes the head reads, so a tied embedding costs nothing more."""
+    extension's q8_linear (codes in panel order [n / 16, in, 16] int8, d [n / 16, in / 32, 16];
+    1.1 bytes a weight) when `native` and `ops` is given; else torch's int4 kernel as two 4-bit
+    planes: with u = q + 128 = 16 hi + lo, w = s q = [16s hi - 128s] + [s lo], so x W^T is the sum
+    of two int4 GEMMs (group 32). Either way the weights are exactly the groups', and rows(ids)
+    decodes the bytes the head reads, so a tied embedding costs nothing more."""
 
     def __init__(self, g: Int8Groups, native: bool = False):
         self.out_features = g.q.shape[0]
         self.native = native
         self.q8 = self.d = self.hi = self.lo = None
         if native:
-            self.q8 = g.q.to(torch.int8).contiguous()
-            self.d = g.scale.float().contiguous()
+            self.q8 = _panel_rows(g.q.to(torch.int8)).transpose(1, 2).contiguous()
+            self.d = _scales_in_panels(g.scale)
             self.nbytes = self.q8.nbytes + self.d.nbytes
         else:
             self._planes(g)
@@ -209,25 +222,29 @@ class Int8GroupWeight(QuantWeight):
     def _planes(self, g: Int8Groups) -> None:
         u = g.q + 128
         s = g.scale
-        self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, torch.zeros_like(s)))
-        self.lo = Int4Weight(Int4Groups(u & 15, s, 8 * s))
+        self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, -128 * s))
+        self.lo = Int4Weight(Int4Groups(u & 15, s, torch.zeros_like(s)))
         self.nbytes = self.hi.nbytes + self.lo.nbytes
         self.q8 = self.d = None
         self.native = False
         _check_pack_layout()
 
-    def __call__(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
-            return ops.q8_linear(x.float(), self.q8, self.d)
+            return ops.q8_linear(x.float(), self.q8, self.d, self.out_features, bias)
         if self.q8 is not None:  # the native path was turned off: torch's planes, once
-            self._planes(Int8Groups(self.q8.int(), self.d))
-        return self.hi(x) + self.lo(x)
+            n = self.out_features
+            self._planes(Int8Groups(_from_panels(self.q8, n).int(), _from_panels(self.d, n)))
+        y = self.hi(x) + self.lo(x)
+        return y if bias is None else y + bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""
+        ids = ids.long()
         if self.q8 is not None:
-            q = self.q8[ids].float().view(len(ids), -1, GROUP)
-            return (q * self.d[ids][..., None]).view(len(ids), -1)
+            q = self.q8[ids // PANEL, :, ids % PANEL].float().view(len(ids), -1, GROUP)
+            d = self.d[ids // PANEL, :, ids % PANEL]
+            return (q * d[..., None]).view(len(ids), -1)
         hi, lo = _unpack_rows(self.hi.packed, ids), _unpack_rows(self.lo.packed, ids)
         scale = self.lo.scales_zeros[:, ids, 0].t().float()  # [n, in / 32]
         q = (16 * hi + lo - 128).float().view(len(ids), -1, GROUP)
@@ -301,9 +318,9 @@ def gguf_weight(names: list[str], blocks: dict, native: bool = False) -> QuantWe
 
 
 class QuantEmbedding(torch.nn.Module):
-    """An embedding table held as an Int8Weight: each lookup dequantizes the rows it takes."""
+    """An embedding table held as an Int8GroupWeight: each lookup decodes the rows it takes."""
 
-    def __init__(self, weight: Int8Weight):
+    def __init__(self, weight: Int8GroupWeight):
         super().__init__()
         self.table = weight
 
@@ -326,7 +343,7 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
         elif mode == "int4":
             lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native))
         else:
-            lin.quantize(Int8Weight(lin.weight.detach()))
+            lin.quantize(Int8GroupWeight(quantize_int8_groups(lin.weight.detach()), native))
         q = lin._quant
         kinds[type(q).__name__] = _kernel(q)
     embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks, native)
@@ -339,13 +356,12 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
     return kinds
 
 
-_NATIVE_INT4 = ("int4 groups of 32 by integer dot products (native q4_linear, activations "
-                "in int8 blocks)")
-_NATIVE_INT8 = ("int8 groups of 32 by integer dot products (native q8_linear, activations in "
-                "int8 blocks)")
+_NATIVE_INT4 = ("int4 groups of 32 (native q4_linear: decoded to fp32 as used, the fp32 path's "
+                "order of arithmetic)")
+_NATIVE_INT8 = ("int8 groups of 32 (native q8_linear: decoded to fp32 as used, the fp32 path's "
+                "order of arithmetic)")
 _KERNELS: dict[type, str] = {
     Int4Weight: "int4 groups of 32 (_weight_int4pack_mm_for_cpu, bf16 activations)",
-    Int8Weight: "int8 per channel (_weight_int8pack_mm, bf16 activations)",
     Int8GroupWeight: "int8 groups of 32 (two int4 planes, bf16 activations)"}
 
 
@@ -378,8 +394,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
             if isinstance(p, Int4Weight):
                 tensors += [t for t in (p.packed, p.scales_zeros, p.codes, p.d, p.z)
                             if t is not None]
-            elif isinstance(p, Int8Weight):
-                tensors += [p.q, p.scale, p.scale_bf16]
     for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())

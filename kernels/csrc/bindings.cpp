@@ -52,15 +52,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> 16-column panels");
   m.def("packed_linear", &packed_linear, "x W^T (+ b) over packed panels", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("q4_linear", &q4_linear, "x W^T for 4-bit weight groups by integer dot products",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("form") = -1,
+  m.def("q4_linear", &q4_linear, "x W^T (+ b) for 4-bit weight groups in panel order",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("n"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_linear", &q8_linear, "x W^T (+ b) for 8-bit weight groups in panel order",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("q8_linear", &q8_linear, "x W^T for 8-bit weight groups by integer dot products",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("form") = -1,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("set_quant_dense_min_rows", &set_quant_dense_min_rows,
-        "batches of at least this many rows take the quantized kernels' dense form");
-  m.def("quant_dense_min_rows", &quant_dense_min_rows, "the current dense-form threshold");
   m.def("set_spin_us", &ts::set_spin_us, "how long idle workers stay awake between loops");
   m.def("spin_us", &ts::spin_us, "the current worker spin time");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");

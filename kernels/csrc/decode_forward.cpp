@@ -102,13 +102,15 @@ void check_args(const DecodeStackArgs& a) {
 }
 
 // One of a layer's linears: fp32 panels (pack_linear_weight's), or 4-bit groups (q4_linear's
-// codes in the panels' slot, d and z from qweights).
+// uint8 codes in the panels' slot, d and z from qweights), or 8-bit groups (q8_linear's int8
+// codes there, d from qweights).
 struct StackLinear {
   at::Tensor panels;
   Q4Linear q4{};
-  bool quant = false;
+  Q8Linear q8{};
+  bool quant = false, eight = false;
   int64_t N = 0;
-  const float* bias = nullptr;  // N long (q4), or whole panels long (fp32); or none
+  const float* bias = nullptr;  // whole panels long, or none
 };
 
 // What the team shares for one call: the step's activations (every row; each member writes its
@@ -121,8 +123,6 @@ struct Stack {
   const bool sparse;
   std::vector<at::Tensor> bias;  // qkv biases, whole panels long (or undefined)
   std::vector<std::array<StackLinear, 4>> lin;  // each layer's qkv, o, gate_up, down
-  Q4Acts acts;  // the input of the next 4-bit linear, quantized (each member its rows)
-  const bool dense;  // 4-bit linears take the dense form (a batch of quant_dense_min_rows())
   // x (in DecodeStackArgs) holds each layer's normed input: layer 0's from the caller, later ones
   // the down projection's output normed in place.
   at::Tensor qkv, attn, o, gate_up, act;
@@ -140,32 +140,38 @@ Stack::Stack(const DecodeStackArgs& args)
       D(a.cos.size(1)),
       qkv_n((a.num_heads + 2 * a.num_kv_heads) * D),
       q_n(a.num_heads * D),
-      // down's panels: [hidden / 16, inter, 16]; its codes [hidden, inter / 32, 16]
+      // down's panels or 8-bit codes: [hidden / 16, inter, 16]; 4-bit codes [hidden / 16,
+      // inter / 32, 16, 16]
       inter(a.weights[6].size(1) * (a.weights[6].scalar_type() == at::kByte ? 32 : 1)),
       sparse(!a.summaries.empty()),
       bias(layers),
       lin(layers),
-      dense(B >= quant_dense_min_rows()),
       barrier(static_cast<int>(team)) {
-  const int64_t outs[4] = {qkv_n, hidden, 2 * inter, hidden}, ins[4] = {hidden, q_n, hidden, inter};
-  const int64_t slot[4] = {1, 3, 5, 6};
+  const int64_t outs[4] = {qkv_n, hidden, 2 * inter, hidden};
+  const int64_t ins[4] = {hidden, q_n, hidden, inter}, slot[4] = {1, 3, 5, 6};
   for (int64_t l = 0; l < layers; ++l) {
     for (int i = 0; i < 4; ++i) {
       StackLinear& L = lin[l][i];
       L.N = outs[i];
       L.panels = a.weights[l * kPerLayer + slot[i]];
-      L.quant = L.panels.scalar_type() == at::kByte;
+      L.eight = L.panels.scalar_type() == at::kChar;
+      L.quant = L.eight || L.panels.scalar_type() == at::kByte;
       if (L.quant) {
-        TORCH_CHECK(!a.qweights.empty(), "4-bit codes without their scales (qweights)");
-        L.q4 = q4_weight(L.panels, a.qweights[l * 8 + 2 * i], a.qweights[l * 8 + 2 * i + 1]);
-        TORCH_CHECK(L.q4.N == L.N && L.q4.K == ins[i], "layer ", l, ": a 4-bit linear is [",
+        TORCH_CHECK(!a.qweights.empty(), "quantized codes without their scales (qweights)");
+        const at::Tensor &d = a.qweights[l * 8 + 2 * i], &z = a.qweights[l * 8 + 2 * i + 1];
+        if (L.eight) {
+          L.q8 = q8_weight(L.panels, d, L.N);
+          L.q4.N = L.q8.N, L.q4.K = L.q8.K;  // the shape, checked below for both
+        } else {
+          L.q4 = q4_weight(L.panels, d, z, L.N);
+        }
+        TORCH_CHECK(L.q4.N == L.N && L.q4.K == ins[i], "layer ", l, ": a quantized linear is [",
                     L.q4.N, ", ", L.q4.K, "], not [", L.N, ", ", ins[i], "]");
       }
     }
     const at::Tensor& b = a.weights[l * kPerLayer + 2];
-    if (b.defined() && b.numel() > 0) {
-      // Linear.pack pads them, so this copies nothing; a 4-bit qkv takes its bias as it is
-      bias[l] = lin[l][0].quant ? b.contiguous() : panel_bias(b, lin[l][0].panels.size(0));
+    if (b.defined() && b.numel() > 0) {  // Linear.pack pads them, so this copies nothing
+      bias[l] = panel_bias(b, (qkv_n + 15) / 16);
       lin[l][0].bias = bias[l].data_ptr<float>();
     }
   }
@@ -173,7 +179,6 @@ Stack::Stack(const DecodeStackArgs& args)
   qkv = at::empty({B, qkv_n}, opts), attn = at::empty({B, q_n}, opts);
   o = at::empty({B, hidden}, opts), gate_up = at::empty({B, 2 * inter}, opts);
   act = at::empty({B, inter}, opts);
-  if (!dense) acts.resize(B, std::max({hidden, q_n, inter}));
   std::vector<int64_t> cost(B);
   const int64_t* lens = a.context_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i) cost[i] = lens[i] + 1;
@@ -204,51 +209,36 @@ class Member {
     if (nt_ > 1) s_.barrier.wait();
   }
 
-  // This member's share of out = in . W^T (+ b), for all rows: its panels (fp32), or its run
-  // of output columns (4-bit, from the quantized input in s_.acts).
+  // This member's panels of out = in . W^T (+ b), for all rows (fp32 panels, or quantized
+  // weights decoded as they are used: quant_linear.cpp).
   void gemm(const at::Tensor& in, const StackLinear& L, const at::Tensor& out) {
-    if (L.quant) {
-      // whole panels of 16 columns each (the dense form's tiles; the last may be short)
-      const int64_t np = (L.N + 15) / 16;
-      const int64_t n0 = np * tid_ / nt_ * 16, n1 = std::min(L.N, np * (tid_ + 1) / nt_ * 16);
-      if (s_.dense)
-        q4_dense_cols(L.q4, in.data_ptr<float>(), in.size(1), L.bias, out.data_ptr<float>(), s_.B,
-                      n0, n1);
-      else
-        q4_linear_cols(L.q4, s_.acts, L.bias, out.data_ptr<float>(), s_.B, n0, n1);
-      return;
-    }
-    const int64_t NP = L.panels.size(0);
-    linear_panels(in.data_ptr<float>(), in.size(1), s_.B, in.size(1), L.panels.data_ptr<float>(),
-                  L.N, L.bias, out.data_ptr<float>(), NP * tid_ / nt_, NP * (tid_ + 1) / nt_);
-  }
-
-  // Where the next linear is 4-bit: rows [m0, m0 + n) of its input into s_.acts (the rows this
-  // member wrote; the barrier after makes all of them ready).
-  void prepare(const StackLinear& L, const at::Tensor& in, int64_t m0, int64_t n) {
-    if (!L.quant || s_.dense || n <= 0) return;
-    q4_quantize_rows(in.data_ptr<float>(), in.size(1), L.q4.K, m0, m0 + n, s_.acts);
+    const int64_t NP = (L.N + 15) / 16, p0 = NP * tid_ / nt_, p1 = NP * (tid_ + 1) / nt_;
+    const float* x = in.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    if (L.eight)
+      q8_linear_panels(L.q8, x, in.size(1), L.bias, y, L.N, s_.B, p0, p1);
+    else if (L.quant)
+      q4_linear_panels(L.q4, x, in.size(1), L.bias, y, L.N, s_.B, p0, p1);
+    else
+      linear_panels(x, in.size(1), s_.B, in.size(1), L.panels.data_ptr<float>(), L.N, L.bias, y,
+                    p0, p1);
   }
 
   // One layer, steps separated by barriers where they read what another member wrote.
   void layer(int64_t l) {
     const at::Tensor* w = a_.weights.data() + l * kPerLayer;
     const std::array<StackLinear, 4>& lin = s_.lin[l];
-    if (l > 0 || lin[0].quant) {
-      if (l > 0 && rn_ > 0)
-        add_rms_norm_(rows(a_.x, r0_, rn_), rows(a_.residual, r0_, rn_), w[0], a_.eps);
-      prepare(lin[0], a_.x, r0_, rn_);
+    if (l > 0) {
+      if (rn_ > 0) add_rms_norm_(rows(a_.x, r0_, rn_), rows(a_.residual, r0_, rn_), w[0], a_.eps);
       sync();
     }
     gemm(a_.x, lin[0], s_.qkv);
     sync();
     if (an_ > 0) attend(l);
-    prepare(lin[1], s_.attn, a0_, an_);
     sync();
     gemm(s_.attn, lin[1], s_.o);
     sync();
     if (rn_ > 0) add_rms_norm_(rows(s_.o, r0_, rn_), rows(a_.residual, r0_, rn_), w[4], a_.eps);
-    prepare(lin[2], s_.o, r0_, rn_);
     sync();
     gemm(s_.o, lin[2], s_.gate_up);
     sync();
@@ -257,7 +247,6 @@ class Member {
       std::memcpy(s_.act.data_ptr<float>() + r0_ * s_.inter, act.data_ptr<float>(),
                   rn_ * s_.inter * sizeof(float));
     }
-    prepare(lin[3], s_.act, r0_, rn_);
     sync();
     gemm(s_.act, lin[3], a_.x);
     sync();

@@ -155,50 +155,34 @@ void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
 // Index of each row's first maximum: [M, N] -> [M] int64.
 at::Tensor argmax_rows(at::Tensor x);
 
-// y [M, N] = x [M, K] . W^T for 4-bit weights in groups of 32, w = d q + z (q in 0..15): codes
-// [N, K/32, 16] uint8 in GGUF's nibble order, d and z [N, K/32] fp32 (csrc/quant_linear.cpp).
-at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t form);
+// y [M, N] = x [M, K] . W^T (+ bias) for weights in groups of 32 along K, decoded to fp32 and
+// multiplied in the fp32 path's order (csrc/quant_linear.cpp; the layouts are described there):
+// 4-bit, w = d q + z: codes [N/16, K/32, 16, 16] uint8, d and z [N/16, K/32, 16] fp32; 8-bit,
+// w = d q: codes [N/16, K, 16] int8, d [N/16, K/32, 16]. n is the weight's rows (N).
+at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,
+                     c10::optional<at::Tensor> bias);
+at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t n,
+                     c10::optional<at::Tensor> bias);
 
-// The same kernel's parts, for callers that split the work themselves (decode_forward.cpp).
-// A weight: codes [N, K/32, 16], d and z [N, K/32] (pointers into the caller's tensors).
+// The same for callers that split the work themselves (decode_forward.cpp): a weight as
+// pointers into its tensors, and panels [p0, p1) of y (row stride ldy) from M rows of x (row
+// stride lda), bias whole panels long or null.
 struct Q4Linear {
   const uint8_t* codes;
   const float *d, *z;
   int64_t N, K;
 };
-Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z);
-// Activations as the kernel takes them: per block of 32 of a row, two int8 terms (xq with scale
-// xs, the residual xr with xrs) and the block's exact sum; rows of K values laid end to end.
-struct Q4Acts {
-  std::vector<int8_t> xq, xr;
-  std::vector<float> xs, xrs, xsum;
-  void resize(int64_t rows, int64_t cols);  // room for rows x cols values
-};
-// Rows [m0, m1) of x (K columns, row stride lda) quantized into the same rows of a.
-void q4_quantize_rows(const float* x, int64_t lda, int64_t K, int64_t m0, int64_t m1, Q4Acts& a);
-// Columns [n0, n1) of y [M, w.N] = a's M rows (w.K values each) . W^T (+ bias [N] if given).
-void q4_linear_cols(const Q4Linear& w, const Q4Acts& a, const float* bias, float* y, int64_t M,
-                    int64_t n0, int64_t n1);
-
-// y [M, N] = x [M, K] . W^T for 8-bit weights in groups of 32, w = d q (GGUF's Q8_0): codes
-// [N, K] int8, d [N, K/32] fp32; activations as q4_linear takes them.
-at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t form);
 struct Q8Linear {
   const int8_t* codes;
   const float* d;
   int64_t N, K;
 };
-void q8_linear_cols(const Q8Linear& w, const Q4Acts& a, float* y, int64_t M, int64_t n0,
-                    int64_t n1);
-// Batches of at least this many rows take the dense form (q4_linear / q8_linear with form -1,
-// and the decode stack); fewer take the integer form.
-int64_t quant_dense_min_rows();
-void set_quant_dense_min_rows(int64_t rows);
-// The dense form: weight rows decoded to fp32, fp32 dots with x [M, K] (row stride lda).
-void q4_dense_cols(const Q4Linear& w, const float* x, int64_t lda, const float* bias, float* y,
-                   int64_t M, int64_t n0, int64_t n1);
-void q8_dense_cols(const Q8Linear& w, const float* x, int64_t lda, float* y, int64_t M,
-                   int64_t n0, int64_t n1);
+Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z, int64_t N);
+Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, int64_t N);
+void q4_linear_panels(const Q4Linear& w, const float* x, int64_t lda, const float* bias, float* y,
+                      int64_t ldy, int64_t M, int64_t p0, int64_t p1);
+void q8_linear_panels(const Q8Linear& w, const float* x, int64_t lda, const float* bias, float* y,
+                      int64_t ldy, int64_t M, int64_t p0, int64_t p1);
 
 // W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
 at::Tensor pack_linear_weight(at::Tensor w);
@@ -250,8 +234,9 @@ struct DecodeStackArgs {
   at::Tensor topk;
   int64_t dense_layers;
   c10::optional<at::Tensor> selected, stats;
-  // 4-bit linears: where a layer's weights entry holds q4_linear's codes (uint8) in place of
-  // panels, its d and z are here, 8 per layer (qkv, o, gate_up, down); empty when none are.
+  // Quantized linears: where a layer's weights entry holds q4_linear's codes (uint8) or
+  // q8_linear's (int8) in place of panels, its d and z (an empty tensor for 8-bit) are here, 8
+  // per layer (qkv, o, gate_up, down); empty when none are.
   std::vector<at::Tensor> qweights;
 };
 

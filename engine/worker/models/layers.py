@@ -52,8 +52,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._quant is not None:
-            y = self._quant(x, self.ops)
-            return y if self.bias is None else y + self.bias
+            return self._quant(x, self.ops, self.bias)
         if self._panels is not None:
             return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self._panel_bias)
         if self._packed is not None:

@@ -185,8 +185,11 @@ class LlamaForCausalLM(nn.Module):
                             _stack_weight(o), layer.post_attention_layernorm.weight,
                             _stack_weight(gate_up), _stack_weight(down)]
         if any(lin._quant is not None for lins in linears for lin in lins):
-            self._qstack = [t for lins in linears for lin in lins for t in (
-                (lin._quant.d, lin._quant.z) if lin._quant is not None else (none, none))]
+            self._qstack = []
+            for lin in (lin for lins in linears for lin in lins):
+                q = lin._quant
+                z = getattr(q, "z", None)
+                self._qstack += [none, none] if q is None else [q.d, none if z is None else z]
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
@@ -227,8 +230,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _stack_weight(lin: Linear) -> torch.Tensor | None:
-    """What decode_forward takes for this linear: its fp32 panels, or its 4-bit codes (the native
-    q4_linear's packing: d and z go in the call's qweights); None where it runs another kernel."""
+    """What decode_forward takes for this linear: its fp32 panels, or its codes as the native
+    q4_linear (uint8) or q8_linear (int8) take them (d and z go in the call's qweights); None
+    where it runs another kernel."""
     if lin._panels is not None:
         return lin._panels
-    return getattr(lin._quant, "codes", None)
+    q = lin._quant
+    return getattr(q, "codes", None) if getattr(q, "q8", None) is None else q.q8
