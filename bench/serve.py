@@ -78,7 +78,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # --no-keepalive: a new connection per request (llama-server closes each one after a
+    # streamed response although it answers Keep-Alive; a reused one can then fail)
+    keep = 0 if getattr(args, "no_keepalive", False) else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=keep)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         model = args.model or (await client.get(base + "/v1/models")).json()["data"][0]["id"]
         prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--no-keepalive", action="store_true",
+                   help="a new connection per request (for servers that close them)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
     results, duration = asyncio.run(run(args))

@@ -193,8 +193,8 @@ class EngineConfig:
     """Torch intra-op threads; None uses the cores available to this process."""
     quantization: str = "none"
     """Weight-only quantization (vLLM's flag): none (the serving dtype; a GGUF's blocks
-    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are), int8 (per output
-    channel) or int4 (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else
+    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are), int8 or int4
+    (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else
     none. CPU only so far (engine/worker/quant.py)."""
     stack_decode_min_batch: int = 1
     """Decode-only steps of at least this many sequences run every layer in one native call

@@ -88,10 +88,19 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
     assert err(Int4Weight(shuffled, native=True)(x, ops)) > 0.3
     assert torch.equal(native4.unpack().codes, g.codes)  # the panel order undone
     assert err(native4(x)) < 0.01  # no extension: torch's packing, made once
-    q8 = quantize_int8_groups(w)
-    back = (q8.q.float().view(w.shape[0], -1, GROUP) * q8.scale[..., None]).view(w.shape)
-    assert ((back - w).abs().view(w.shape[0], -1, GROUP) <= q8.scale[..., None] / 2 + 1e-7).all()
+    q8 = quantize_int8_groups(w)  # int8 mode: min/max groups of 32, codes 0..255
+    back = torch.addcmul(q8.offset[..., None], q8.q.float().view(w.shape[0], -1, GROUP),
+                         q8.scale[..., None])
+    assert ((back - w.view(back.shape)).abs() <= q8.scale[..., None] / 2 + 1e-6).all()
     assert err(Int8GroupWeight(q8)(x)) < 0.01
+    int8 = Int8GroupWeight(q8, native=True)
+    int8_panels = ops.pack_linear_weight(int8.rows(torch.arange(w.shape[0])))
+    for m in (1, 5, 64):
+        xm = torch.randn(m, w.shape[1], generator=gen)
+        assert torch.equal(int8(xm, ops), ops.packed_linear(xm, int8_panels, w.shape[0]))
+    # the planes' rows: bf16 scales, within about a step of the exact ones
+    step = q8.scale[ids[:3]].repeat_interleave(GROUP, 1)
+    assert ((Int8GroupWeight(q8).rows(ids[:3]) - int8.rows(ids[:3])).abs() <= 2 * step).all()
     # the native Q8_0 head, and the embedding rows from the same bytes (exact)
     native = Int8GroupWeight(e, native=True)
     assert torch.equal(native.rows(ids), exact)
@@ -167,11 +176,11 @@ def quality():
     return out
 
 
-@pytest.mark.parametrize("mode,min_agree,max_ppl", [("gguf", 0.97, 0.01), ("int8", 0.95, 0.01),
+@pytest.mark.parametrize("mode,min_agree,max_ppl", [("gguf", 0.98, 0.01), ("int8", 0.98, 0.01),
                                                     ("int4", 0.92, 0.05)])
 def test_quality_against_fp32(quality, mode, min_agree, max_ppl):
-    """Top-1 agreement and perplexity against the dequantized fp32 path (docs/BENCHMARKS.md has
-    the measured values: bf16 activations cost most of the difference)."""
+    """Top-1 agreement and perplexity against the dequantized fp32 path: issue 31's bounds
+    (docs/BENCHMARKS.md has the measured values)."""
     ref, test = quality["none"][0], quality[mode][0]
     assert len(test.top1) > 2000
     assert agreement(test, ref) >= min_agree

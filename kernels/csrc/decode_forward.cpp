@@ -142,7 +142,7 @@ Stack::Stack(const DecodeStackArgs& args)
       q_n(a.num_heads * D),
       // down's panels or 8-bit codes: [hidden / 16, inter, 16]; 4-bit codes [hidden / 16,
       // inter / 32, 16, 16]
-      inter(a.weights[6].size(1) * (a.weights[6].scalar_type() == at::kByte ? 32 : 1)),
+      inter(a.weights[6].size(1) * (a.weights[6].dim() == 4 ? 32 : 1)),
       sparse(!a.summaries.empty()),
       bias(layers),
       lin(layers),
@@ -154,13 +154,15 @@ Stack::Stack(const DecodeStackArgs& args)
       StackLinear& L = lin[l][i];
       L.N = outs[i];
       L.panels = a.weights[l * kPerLayer + slot[i]];
-      L.eight = L.panels.scalar_type() == at::kChar;
+      // 8-bit: int8 codes [NP, K, 16], or uint8 ones with an offset; 4-bit: [NP, K/32, 16, 16]
+      L.eight = L.panels.dim() == 3 &&
+                (L.panels.scalar_type() == at::kChar || L.panels.scalar_type() == at::kByte);
       L.quant = L.eight || L.panels.scalar_type() == at::kByte;
       if (L.quant) {
         TORCH_CHECK(!a.qweights.empty(), "quantized codes without their scales (qweights)");
         const at::Tensor &d = a.qweights[l * 8 + 2 * i], &z = a.qweights[l * 8 + 2 * i + 1];
         if (L.eight) {
-          L.q8 = q8_weight(L.panels, d, L.N);
+          L.q8 = q8_weight(L.panels, d, z, L.N);
           L.q4.N = L.q8.N, L.q4.K = L.q8.K;  // the shape, checked below for both
         } else {
           L.q4 = q4_weight(L.panels, d, z, L.N);

@@ -158,11 +158,12 @@ at::Tensor argmax_rows(at::Tensor x);
 // y [M, N] = x [M, K] . W^T (+ bias) for weights in groups of 32 along K, decoded to fp32 and
 // multiplied in the fp32 path's order (csrc/quant_linear.cpp; the layouts are described there):
 // 4-bit, w = d q + z: codes [N/16, K/32, 16, 16] uint8, d and z [N/16, K/32, 16] fp32; 8-bit,
-// w = d q: codes [N/16, K, 16] int8, d [N/16, K/32, 16]. n is the weight's rows (N).
+// w = d q: codes [N/16, K, 16] int8, d [N/16, K/32, 16] (or w = d q + z with uint8 codes and z
+// as d). n is the weight's rows (N).
 at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,
                      c10::optional<at::Tensor> bias);
 at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t n,
-                     c10::optional<at::Tensor> bias);
+                     c10::optional<at::Tensor> bias, c10::optional<at::Tensor> z);
 
 // The same for callers that split the work themselves (decode_forward.cpp): a weight as
 // pointers into its tensors, and panels [p0, p1) of y (row stride ldy) from M rows of x (row
@@ -173,12 +174,13 @@ struct Q4Linear {
   int64_t N, K;
 };
 struct Q8Linear {
-  const int8_t* codes;
-  const float* d;
+  const uint8_t* codes;  // int8 codes, or uint8 ones where z is given
+  const float *d, *z;    // z: null for w = d q
   int64_t N, K;
 };
 Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z, int64_t N);
-Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, int64_t N);
+Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z,
+                   int64_t N);
 void q4_linear_panels(const Q4Linear& w, const float* x, int64_t lda, const float* bias, float* y,
                       int64_t ldy, int64_t M, int64_t p0, int64_t p1);
 void q8_linear_panels(const Q8Linear& w, const float* x, int64_t lda, const float* bias, float* y,

@@ -1,6 +1,6 @@
 // y = x W^T (+ b) for weights kept in groups of 32 along the input: 4-bit (GGUF's Q4_0 / Q4_1
 // blocks, or int4 from any weights; w = d q + z, q in 0..15) and 8-bit (GGUF's Q8_0, or int8 from
-// any weights; w = d q, q in -127..127), issue 31.
+// any weights: w = d q, q in -127..127, or with an offset, w = d q + z, q in 0..255), issue 31.
 //
 // The weights are decoded to fp32 as they are used and multiplied in fp32 in the fp32 path's own
 // order: every output is one FMA chain over k, from the bias (or 0), k ascending, as the packed
@@ -12,7 +12,7 @@
 // Layout ("panel order", pack_linear_weight's panels of 16 output rows, packed once at load):
 //   4-bit codes [NP, K/32, 16, 16] bytes: for panel p, block b, byte (j, i) holds row 16p + i's
 //         codes at k = 32b + j (low nibble) and 32b + 16 + j (high nibble);
-//   8-bit codes [NP, K, 16] int8: row 16p + i's code at k;
+//   8-bit codes [NP, K, 16] int8 (uint8 with an offset): row 16p + i's code at k;
 //   d, z  [NP, K/32, 16] fp32: the 16 rows' scale (and zero) for a block.
 // One 16-byte load then gives 16 output columns' weights for one k (two for 4-bit), the shape the
 // fp32 tiles take, with no transpose.
@@ -147,15 +147,22 @@ struct Q4Rows {
   }
 };
 
+// 8-bit: signed codes, w = d q (kOffset false), or unsigned ones with an offset, w = d q + z.
+template <bool kOffset>
 struct Q8Rows {
   const Q8Linear* w;
   int64_t nb;
-  const int8_t* c = nullptr;
-  V16 d;
+  const uint8_t* c = nullptr;
+  V16 d, z;
   void begin(int64_t p, int64_t b) {
-    c = w->codes + (p * w->K + b * kGroup) * kP, d = V16::load(w->d + (p * nb + b) * kP);
+    const int64_t at = (p * nb + b) * kP;
+    c = w->codes + (p * w->K + b * kGroup) * kP, d = V16::load(w->d + at);
+    if (kOffset) z = V16::load(w->z + at);
   }
-  V16 row(int64_t j) const { return V16::from_s8(load16(c + j * kP)).times(d); }
+  V16 row(int64_t j) const {
+    return kOffset ? V16::from_u8(load16(c + j * kP)).times_plus(d, z)
+                   : V16::from_s8(load16(c + j * kP)).times(d);
+  }
 };
 
 // Panels [p, p + NPAN) for R rows of x: the weights decoded k by k into registers.
@@ -242,7 +249,10 @@ void q4_linear_panels(const Q4Linear& w, const float* x, int64_t lda, const floa
 
 void q8_linear_panels(const Q8Linear& w, const float* x, int64_t lda, const float* bias, float* y,
                       int64_t ldy, int64_t M, int64_t p0, int64_t p1) {
-  panels(Q8Rows{&w, w.K / kGroup}, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1);
+  if (w.z)
+    panels(Q8Rows<true>{&w, w.K / kGroup}, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1);
+  else
+    panels(Q8Rows<false>{&w, w.K / kGroup}, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1);
 }
 
 namespace {
@@ -286,15 +296,20 @@ Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
                   nb * kGroup};
 }
 
-Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, int64_t N) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kP && codes.scalar_type() == at::kChar &&
-                  codes.is_contiguous() && codes.size(1) % kGroup == 0,
-              "8-bit codes: contiguous [N/16, K, 16] int8");
+Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z,
+                   int64_t N) {
+  const bool offset = z.defined() && z.numel() > 0;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kP && codes.is_contiguous() &&
+                  codes.size(1) % kGroup == 0 &&
+                  codes.scalar_type() == (offset ? at::kByte : at::kChar),
+              "8-bit codes: contiguous [N/16, K, 16], int8 (or uint8 with an offset z)");
   const int64_t NP = codes.size(0), K = codes.size(1);
   TORCH_CHECK(N > (NP - 1) * kP && N <= NP * kP, "8-bit codes hold ", NP, " panels, not ", N,
               " rows");
   check_scales(d, NP, K / kGroup, "d");
-  return Q8Linear{codes.data_ptr<int8_t>(), d.data_ptr<float>(), N, K};
+  if (offset) check_scales(z, NP, K / kGroup, "z");
+  return Q8Linear{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+                  offset ? z.data_ptr<float>() : nullptr, N, K};
 }
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,
@@ -308,8 +323,8 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z,
 }
 
 at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t n,
-                     c10::optional<at::Tensor> bias) {
-  const Q8Linear w = q8_weight(codes, d, n);
+                     c10::optional<at::Tensor> bias, c10::optional<at::Tensor> z) {
+  const Q8Linear w = q8_weight(codes, d, z.value_or(at::Tensor()), n);
   return run_linear(x, w.N, w.K, bias,
                     [&](const float* xp, int64_t K, const float* bp, float* yp, int64_t N,
                         int64_t M, int64_t p0, int64_t p1) {
