@@ -223,10 +223,11 @@ class LlamaForCausalLM(nn.Module):
                 ctx.backend.scale, self.norm.eps, cfg.num_heads, cfg.num_kv_heads,
                 torch.get_num_threads())
         sp = ctx.sparse
+        quant = {"qweights": self._qstack} if self._qstack else {}
         if sp is None:
-            return self.ops.decode_forward(*args, qweights=self._qstack)
+            return self.ops.decode_forward(*args, **quant)
         return self.ops.decode_forward_sparse(*args, sp.summaries, sp.topk, sp.dense_layers,
-                                              sp.selected, sp.stats, qweights=self._qstack)
+                                              sp.selected, sp.stats, **quant)
 
 
 def _stack_weight(lin: Linear) -> torch.Tensor | None:
