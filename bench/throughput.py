@@ -14,6 +14,7 @@ Also: decode-step time at several batch sizes against this machine's fp32 roofli
 matmul FLOPs per token over a measured large-GEMM FLOP/s).
 
     python bench/throughput.py --skip-hf --kv-cache-dtype float16   # tierserve, fp16 KV cache
+    python bench/throughput.py --skip-hf --quantization gguf        # the GGUF's own Q4 weights
 
 The KV cache is fp32 (the model's dtype) unless --kv-cache-dtype says otherwise; the tables name
 it. transformers always keeps its cache in fp32. The decode-step table is also measured with the
@@ -151,6 +152,8 @@ def main() -> None:
                     help="transformers' static batch size, or a comma list: each is run and the "
                          "fastest is the baseline (the strongest transformers this workload allows)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", default="none",
+                    help="tierserve's --quantization (none, gguf, int8, int4, auto)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run both engines this many times, alternating, and report the median "
                          "ratio (for noisy machines; each repeat takes the full workload time)")
@@ -169,7 +172,8 @@ def main() -> None:
     threads = configure_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=3 << 30,
-              num_threads=threads, kv_cache_dtype=args.kv_cache_dtype)
+              num_threads=threads, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     kv = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     mc = llm.engine.model_config
     flops = gemm_flops()
@@ -184,7 +188,8 @@ def main() -> None:
     for name in [x for x in args.decode_kv_also.split(",") if x]:
         other = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    kv_cache_memory_bytes=3 << 30, num_threads=threads, kv_cache_dtype=name)
+                    kv_cache_memory_bytes=3 << 30, num_threads=threads, kv_cache_dtype=name,
+                    quantization=args.quantization)
         other_kv = str(other.engine.runner.kv_dtype).removeprefix("torch.")
         if other_kv in by_kv:
             continue

@@ -191,11 +191,16 @@ class EngineConfig:
     """Backend timings written by `tierserve bench-backends`; None: ~/.cache/tierserve/."""
     num_threads: int | None = None
     """Torch intra-op threads; None uses the cores available to this process."""
-    quantization: str = "none"
+    quantization: str = "auto"
     """Weight-only quantization (vLLM's flag): none (the serving dtype; a GGUF's blocks
     dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are), int8 or int4
-    (groups of 32) from any weights; auto: gguf for a Q4 GGUF on the CPU, else
-    none. CPU only so far (engine/worker/quant.py)."""
+    (groups of 32) from any weights; auto (the default): gguf for a Q4 GGUF on the CPU in
+    float32 where the native kernels are built (the fp32 path's outputs from a fifth of the
+    bytes), else none. CPU only so far (engine/worker/quant.py)."""
+    prefill_bf16: bool = False
+    """Prefill batches (64 tokens or more) multiply the decoder's linear layers in bf16 through
+    oneDNN, which runs them on AMX's bf16 tiles (CPUs with amx_bf16 only; quantized weights are
+    decoded first). Faster prefill, not the fp32 path's bits: off by default."""
     stack_decode_min_batch: int = 1
     """Decode-only steps of at least this many sequences run every layer in one native call
     (kernels/csrc/decode_forward.cpp); 0 keeps every step layer by layer. build_config takes it

@@ -32,7 +32,8 @@ from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
 from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
-from tierserve.engine.worker.quant import QuantizationError, check_mode
+from tierserve.engine.worker.quant import QuantizationError, check_mode, gguf_covers
+from tierserve.kernels.native import cpu_has, fused_ops
 from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
@@ -104,8 +105,14 @@ class LLMEngine:
                  config.dtype, self.dtype_choice.reason)
         self.config = config
         src = load_model_source(config.model)
+        native = (config.quantization == "auto" and self.device_choice.type == "cpu"
+                  and fused_ops() is not None)
         config = dataclasses.replace(config, quantization=resolve_quantization(
-            config.quantization, self.device_choice.type, config.dtype, bool(src.blocks)))
+            config.quantization, self.device_choice.type, config.dtype,
+            gguf_covers(src.weights, src.blocks), native))
+        if config.prefill_bf16 and not (self.device_choice.type == "cpu" and cpu_has("amx_bf16")):
+            raise ValueError("prefill_bf16 needs a CPU with AMX (amx_bf16 in /proc/cpuinfo); this "
+                             f"{self.device_choice.type} has none: leave it off")
         self.config = config
         self.model_config = src.config
         self.tokenizer = TextTokenizer(src.tokenizer)
@@ -131,7 +138,8 @@ class LLMEngine:
         self.fingerprint = fingerprint(src.digest, config.dtype, config.kv_cache_dtype,
                                        config.kv_cache_scale, bs, src.config.num_layers,
                                        *(("quantization", config.quantization)
-                                         if config.quantization != "none" else ()))
+                                         if config.quantization != "none" else ()),
+                                       *(("prefill_bf16",) if config.prefill_bf16 else ()))
         self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len,
                                   src.blocks)
         if self.runner.quant_kinds:
@@ -429,13 +437,16 @@ def _check_salt(salt: str | None) -> None:
                          "surrogate)") from None
 
 
-def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool) -> str:
-    """--quantization as it will run: auto keeps a Q4 GGUF's blocks on the CPU in float32 (their
-    kernel exists there), else none; the quantized kernels are CPU-only so far."""
+def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool,
+                         native: bool = True) -> str:
+    """--quantization as it will run: auto keeps a GGUF's blocks on the CPU in float32 where
+    every decoder linear has blocks the kernels take (has_q4_blocks: quant.gguf_covers) and the
+    native kernels are built (they give the fp32 path's bits from a fifth of the bytes), else
+    none; the quantized kernels are CPU-only so far."""
     check_mode(mode)
     here = device_type == "cpu" and dtype == "float32"
     if mode == "auto":
-        return "gguf" if here and has_q4_blocks else "none"
+        return "gguf" if here and has_q4_blocks and native else "none"
     if mode != "none" and not here:
         raise QuantizationError(f"quantization {mode} runs on the CPU with dtype float32 only so "
                                 "far (torch's CUDA weight-only kernels are not wired in yet); "

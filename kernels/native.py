@@ -28,7 +28,9 @@ _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
 # (csrc/thread_pool.h: workers that stay awake for a bounded time between loops; TIERSERVE_SPIN_US
 # sets that time, default 100 us, 0 sleeps at once as PASSIVE OpenMP does). (fused_ops.cpp turns FMA
 # contraction off for itself; attention keeps it: 25% faster.)
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# TIERSERVE_NATIVE_MARCH builds for another x86 level than this CPU's (e.g. haswell: AVX2 + FMA
+# without AVX-512), so one box can check the kernels' other paths (tests/test_quant.py).
+_CFLAGS = ["-O3", f"-march={os.environ.get('TIERSERVE_NATIVE_MARCH', 'native')}", "-fopenmp"]
 
 
 @functools.cache
@@ -39,6 +41,12 @@ def _cpu_info() -> str:
             return "".join(l for l in f if l.startswith(("model name", "flags")))
     except OSError:
         return ""
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag (amx_bf16, avx512f, ...)."""
+    return any(flag in line.split() for line in _cpu_info().splitlines()
+               if line.startswith("flags"))
 
 
 def _tag() -> str:

@@ -33,10 +33,16 @@ class ServerConfig:
     """A Jinja chat template in place of the model's own, for /v1/chat/completions: a file's path
     or the template text itself (as vLLM's --chat-template). A template that does not parse stops
     start-up with the error."""
-    quantization: str = "none"
+    quantization: str = "auto"
     """Weight-only quantization (vLLM's flag): none, gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0
-    blocks), int8, int4, or auto (gguf for a Q4 GGUF on the CPU, else none). CPU and float32
-    only so far; GET /v1/backends shows the kernels and the weight bytes."""
+    blocks), int8, int4, or auto (the default: gguf for a Q4 GGUF on the CPU in float32 where
+    the native kernels are built, which gives the fp32 path's outputs from a fifth of the bytes;
+    else none). CPU and float32 only so far; GET /v1/backends shows the kernels and the weight
+    bytes."""
+    prefill_bf16: bool = False
+    """Prefill batches (64 tokens or more) multiply the linear layers in bf16 on AMX's tiles
+    (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster prefill,
+    not the fp32 path's bits: off by default (docs/quantization.md)."""
     enable_auto_tool_choice: bool = False
     """tool_choice "auto": parse the model's own tool calls out of its output (vLLM's flag;
     needs tool_call_parser). Off: "auto" with tools is a 400; "required" and a named function
@@ -257,6 +263,7 @@ class ServerConfig:
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
                 "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids", "quantization",
+                "prefill_bf16",
                 *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 

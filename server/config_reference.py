@@ -37,6 +37,9 @@ PROCESS_ENV = {
                        "`disk_tier_dir` is unset (`$TIERSERVE_CACHE/kv`).",
     "TIERSERVE_NATIVE_OPS": "`0` keeps the linear layers (oneDNN) and element-wise ops in torch "
                             "instead of the native extension.",
+    "TIERSERVE_NATIVE_MARCH": "The x86 level the native extension is built for (gcc's -march; "
+                              "default native: this CPU). haswell builds the AVX2 path on an "
+                              "AVX-512 box, for tests.",
     "TIERSERVE_SPIN_US": "How long the native extension's workers stay awake between parallel "
                          "loops, in microseconds (default 100; `0` sleeps at once).",
     "TIERSERVE_STACK_DECODE_MIN_BATCH": "Smallest decode batch that runs all layers in one "

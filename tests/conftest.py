@@ -34,8 +34,9 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The embedded model with a roomy cache, default scheduler limits."""
-    return LLM(kv_cache_memory_bytes=1 << 30)
+    """The embedded model with a roomy cache, default scheduler limits, on the fp32 path (the
+    parity tests' reference; --quantization auto serves the same bits: tests/test_quant.py)."""
+    return LLM(kv_cache_memory_bytes=1 << 30, quantization="none")
 
 
 @pytest.fixture(scope="session")

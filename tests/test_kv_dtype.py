@@ -91,7 +91,7 @@ def test_fp16_cache_is_two_bytes_on_cpu_native(fp16_llm, monkeypatch):
     calls = []
     real = model.ops.decode_forward
     monkeypatch.setattr(model.ops, "decode_forward",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     out = fp16_llm.generate(["The capital of France is"] * 3,
                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(calls) == 7 and set(calls) == {3}  # every step after the prefill

@@ -4,6 +4,8 @@ method on tests/data/long_text.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import gguf
@@ -17,7 +19,8 @@ from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
 from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Groups,
                                            Int8GroupWeight, QuantizationError, blocks_to_groups,
-                                           gguf_weight, quantize_int4, quantize_int8_groups)
+                                           gguf_covers, gguf_weight, quantize_int4,
+                                           quantize_int8_groups)
 from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
 
 TEXT = (Path(__file__).parent / "data" / "long_text.md").read_text()
@@ -160,6 +163,13 @@ def test_refusals_name_the_tensor_and_the_mode(source):
     with pytest.raises(QuantizationError, match="int2"):
         resolve_quantization("int2", "cpu", "float32", True)
     assert resolve_quantization("auto", "cpu", "float32", True) == "gguf"
+    assert resolve_quantization("auto", "cpu", "float32", True, native=False) == "none"
+    # auto keeps a GGUF's blocks only where every decoder linear has them, one type per fused layer
+    assert gguf_covers(source.weights, source.blocks)
+    name = "model.layers.4.self_attn.k_proj.weight"
+    assert not gguf_covers(source.weights, {k: v for k, v in source.blocks.items() if k != name})
+    mixed = dict(source.blocks, **{name: dataclasses.replace(source.blocks[name], kind="Q8_0")})
+    assert not gguf_covers(source.weights, mixed)
     assert resolve_quantization("auto", "cpu", "float32", False) == "none"
     assert resolve_quantization("auto", "cuda", "bfloat16", True) == "none"
 
@@ -192,3 +202,68 @@ def test_gguf_weights_take_a_fifth_of_fp32(quality):
     info = quality["gguf"][2]
     assert info.quantization == "gguf" and info.weight_bytes == quality["gguf"][1]
     assert "int4" in next(iter(info.quant_kernels.values()))
+
+
+def test_bf16_prefill_on_amx_keeps_quality_and_is_refused_elsewhere(quality):
+    """--prefill-bf16: prefill chunks multiply the linears in bf16 (oneDNN on AMX's tiles); the
+    teacher-forced score is all prefill, so it measures exactly that rounding. Without AMX the
+    start stops with a one-line error naming it."""
+    from tierserve.kernels.native import cpu_has
+
+    if not cpu_has("amx_bf16"):
+        with pytest.raises(ValueError, match="AMX"):
+            LLM(quantization="gguf", prefill_bf16=True, kv_cache_memory_bytes=1 << 26)
+        return
+    llm = LLM(quantization="gguf", prefill_bf16=True, kv_cache_memory_bytes=1 << 28)
+    assert all(lin.bf16_min_rows == 64 for lin in llm.engine.runner.model.layers[0].modules()
+               if hasattr(lin, "bf16_min_rows"))
+    ref = quality["none"][0]
+    test = score(llm, llm.get_tokenizer().encode(TEXT)[:2600])
+    assert 0.98 <= agreement(test, ref) < 1.0  # bf16 rounding: close, not the same bits
+    assert abs(perplexity_change(test, ref)) < 0.01
+
+
+_OTHER_LEVEL = """
+import torch
+from tierserve.kernels.native import load_extension
+from tierserve.engine.worker.loaders import load_model_source
+from tierserve.engine.worker.quant import Int4Weight, Int8GroupWeight, blocks_to_groups
+from tierserve.engine.worker.quant import quantize_int8_groups
+
+ops = load_extension()
+assert ops is not None, "the extension did not build"
+src = load_model_source("smollm2-135m")
+gen = torch.Generator().manual_seed(0)
+for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.3.self_attn.q_proj.weight"):
+    g = blocks_to_groups(src.blocks[name])
+    w = g.dequantize()
+    panels = ops.pack_linear_weight(w)
+    q4 = Int4Weight(g, native=True)
+    bias = torch.randn(w.shape[0], generator=gen)
+    for m in (1, 2, 3, 5, 64):
+        x = torch.randn(m, w.shape[1], generator=gen)
+        assert torch.equal(q4(x, ops), ops.packed_linear(x, panels, w.shape[0])), (name, m)
+        assert torch.equal(q4(x, ops, bias), ops.packed_linear(x, panels, w.shape[0], bias))
+        assert torch.equal(ops.q4_decode(q4.codes, q4.d, q4.z, w.shape[0]), w)
+e = Int8GroupWeight(blocks_to_groups(src.blocks["model.embed_tokens.weight"]), native=True)
+for q8 in (e, Int8GroupWeight(quantize_int8_groups(w), native=True)):
+    rows = q8.rows(torch.arange(q8.out_features))
+    head = ops.pack_linear_weight(rows)
+    for m in (1, 2, 3, 50):
+        x = torch.randn(m, rows.shape[1], generator=gen)
+        assert torch.equal(q8(x, ops), ops.packed_linear(x, head, rows.shape[0])), m
+print("ok")
+"""
+
+
+def test_the_kernels_avx2_path_gives_the_fp32_bits_too():
+    """The AVX2 path (AMD EPYC boxes: no AVX-512), built here with -march=haswell in a
+    subprocess: 4- and 8-bit products at 1 to 64 rows equal that build's fp32 panels to the bit,
+    and the weights decode to gguf's values."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TIERSERVE_NATIVE_MARCH="haswell")
+    out = subprocess.run([sys.executable, "-c", _OTHER_LEVEL], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 Constrain = Callable[[torch.Tensor, list[RequestId]], None]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PREFILL_BF16_MIN_ROWS = 64
+"""--prefill-bf16: batches of at least this many tokens take the bf16 GEMMs."""
 
 
 @dataclass
@@ -136,6 +138,8 @@ class ModelRunner:
     def _build_model(self, weights: dict[str, torch.Tensor], blocks: dict) -> torch.nn.Module:
         model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
         model.stack_decode_min_batch = self.config.stack_decode_min_batch
+        if self.config.prefill_bf16:
+            model.use_bf16_prefill(PREFILL_BF16_MIN_ROWS)
         model.load_weights(weights)
         if self.config.quantization != "none":
             self.quant_kinds = quantize_model(model, self.config.quantization, blocks,

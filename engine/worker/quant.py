@@ -22,6 +22,7 @@ it takes from the bytes the head reads.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,10 @@ class QuantWeight:
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode(self, ops=None) -> torch.Tensor:
+        """The weight as fp32 [out, in] (exactly the values the kernels multiply by)."""
+        raise NotImplementedError
+
 
 def _panel_rows(t: torch.Tensor) -> torch.Tensor:
     """[n, ...] zero-padded to whole panels of 16 rows, as [n / 16, 16, ...]."""
@@ -194,6 +199,11 @@ class Int4Weight(QuantWeight):
         codes = torch.stack([c & 15, c >> 4], 3).reshape(-1, self.codes.shape[1] * GROUP)[:n]
         return Int4Groups(codes.int(), _from_panels(self.d, n), _from_panels(self.z, n))
 
+    def decode(self, ops=None) -> torch.Tensor:
+        if self.codes is not None and ops is not None:
+            return ops.q4_decode(self.codes, self.d, self.z, self.out_features)
+        return self.unpack().dequantize() if self.codes is not None else _torch_int4_rows(self)
+
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.codes is not None and ops is not None:
             return ops.q4_linear(x.float(), self.codes, self.d, self.z, self.out_features, bias)
@@ -251,6 +261,11 @@ class Int8GroupWeight(QuantWeight):
         y = self.hi(x) + self.lo(x)
         return y if bias is None else y + bias
 
+    def decode(self, ops=None) -> torch.Tensor:
+        if self.q8 is not None and ops is not None:
+            return ops.q8_decode(self.q8, self.d, self.out_features, self.z)
+        return self.rows(torch.arange(self.out_features))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""
         ids = ids.long()
@@ -267,6 +282,15 @@ class Int8GroupWeight(QuantWeight):
         if self.offset is None:
             return ((u - 128) * scale[..., None]).view(len(ids), -1)
         return torch.addcmul(self.offset[ids][..., None], u, scale[..., None]).view(len(ids), -1)
+
+
+def _torch_int4_rows(w: Int4Weight) -> torch.Tensor:
+    """An Int4Weight on torch's packing, decoded (its scales and zeros as torch holds them)."""
+    n = w.out_features
+    codes = _unpack_rows(w.packed, torch.arange(n)).float().view(n, -1, GROUP)
+    sz = w.scales_zeros.float()  # [in / 32, n, 2]: scale, zero of w = (q - 8) s + zero
+    scale, zero = sz[..., 0].t(), sz[..., 1].t()
+    return ((codes - 8) * scale[..., None] + zero[..., None]).view(n, -1)
 
 
 def _unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -315,6 +339,25 @@ def blocks_to_groups(b) -> Int4Groups | Int8Groups:
         return g
     return type(g)(*(None if t is None else torch.from_numpy(np.ascontiguousarray(
         unpermute_rope(t.numpy(), b.rope_heads))) for t in dataclasses.astuple(g)))
+
+
+_LINEARS = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj\.weight")
+
+
+def gguf_covers(weights: dict, blocks: dict) -> bool:
+    """Whether every decoder linear of the checkpoint has blocks the kernels take, with one block
+    type across each fused layer (q/k/v, gate/up): what `auto` needs to keep a GGUF's own bits."""
+    fused: dict[tuple[str, str], set[str]] = {}
+    for name in weights:
+        m = _LINEARS.fullmatch(name)
+        if m is None:
+            continue
+        if name not in blocks:
+            return False
+        part = "qkv" if m.group(2)[-1] in "qkv" and "attn" in m.group(2) else (
+            "gate_up" if m.group(2).endswith(("gate", "up")) else m.group(2))
+        fused.setdefault((m.group(1), part), set()).add(blocks[name].kind)
+    return bool(fused) and all(len(kinds) == 1 for kinds in fused.values())
 
 
 def gguf_weight(names: list[str], blocks: dict, native: bool = False) -> QuantWeight:

@@ -93,8 +93,8 @@ struct V16 {
     std::copy(p, p + 16, r.v);
     return r;
   }
-  void fma(float x, const V16& w) {
-    for (int i = 0; i < 16; ++i) v[i] = __builtin_fmaf(x, w.v[i], v[i]);
+  void fma(float x, const V16& w) {  // as gemm.cpp's panel_scalar writes it
+    for (int i = 0; i < 16; ++i) v[i] += x * w.v[i];
   }
   void store(float* p, int64_t n) const { std::copy(v, v + n, p); }
   static V16 from_u8(__m128i b) {
@@ -310,6 +310,44 @@ Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
   if (offset) check_scales(z, NP, K / kGroup, "z");
   return Q8Linear{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
                   offset ? z.data_ptr<float>() : nullptr, N, K};
+}
+
+namespace {
+
+// The weight decoded to fp32 [N, K] (for a bf16 GEMM elsewhere: --prefill-bf16), panels split
+// between the pool's threads: each panel's rows decoded k by k, then written row by row.
+template <class Rows>
+at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t NP = (N + kP - 1) / kP;
+  ts::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
+    std::vector<float> panel(K * kP);
+    Rows rows = proto;
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t b = 0; b < K / kGroup; ++b) {
+        rows.begin(p, b);
+        for (int64_t k = 0; k < kGroup; ++k)
+          rows.row(k).store(panel.data() + (b * kGroup + k) * kP, kP);
+      }
+      for (int64_t i = 0; i < std::min(kP, N - p * kP); ++i)
+        for (int64_t k = 0; k < K; ++k) o[(p * kP + i) * K + k] = panel[k * kP + i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n) {
+  const Q4Linear w = q4_weight(codes, d, z, n);
+  return decode_all(Q4Rows{&w, w.K / kGroup}, w.N, w.K);
+}
+
+at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z) {
+  const Q8Linear w = q8_weight(codes, d, z.value_or(at::Tensor()), n);
+  if (w.z) return decode_all(Q8Rows<true>{&w, w.K / kGroup}, w.N, w.K);
+  return decode_all(Q8Rows<false>{&w, w.K / kGroup}, w.N, w.K);
 }
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,

@@ -17,6 +17,10 @@ class Linear(nn.Module):
     ops = None
     """The native extension (see RMSNorm), set by the model's use_native_ops()."""
 
+    bf16_min_rows = 0
+    """Batches of at least this many rows multiply in bf16 through oneDNN (AMX's bf16 tiles):
+    --prefill-bf16, set by the model's use_bf16_prefill(); 0 keeps every batch in fp32."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -51,6 +55,8 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_min_rows and x.shape[0] >= self.bf16_min_rows:
+            return self._bf16(x)
         if self._quant is not None:
             return self._quant(x, self.ops, self.bias)
         if self._panels is not None:
@@ -58,6 +64,14 @@ class Linear(nn.Module):
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) with x and W rounded to bf16 (quantized weights decoded first), fp32
+        accumulation and result: oneDNN runs it on AMX's bf16 tiles where the CPU has them."""
+        w = self._quant.decode(self.ops) if self._quant is not None else self.weight
+        y = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):

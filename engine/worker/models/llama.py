@@ -161,6 +161,14 @@ class LlamaForCausalLM(nn.Module):
                     (mlp.down_proj, [p + "mlp.down_proj.weight"])]
         return out
 
+    def use_bf16_prefill(self, min_rows: int) -> None:
+        """Batches of at least min_rows tokens (prefill chunks) run the decoder layers' linears
+        in bf16 (Linear.bf16_min_rows; 0: off). The LM head takes only the sampled rows."""
+        for layer in self.layers:
+            for lin in layer.modules():
+                if isinstance(lin, Linear):
+                    lin.bf16_min_rows = min_rows
+
     def use_native_ops(self, ops, batch_hint: int = 64) -> None:
         """Route the element-wise ops and the linear layers through the native extension (CPU,
         fp32), or back to torch (None); the linear weights are packed again for the new path."""
