@@ -15,6 +15,7 @@ matmul FLOPs per token over a measured large-GEMM FLOP/s).
 
     python bench/throughput.py --skip-hf --kv-cache-dtype float16   # tierserve, fp16 KV cache
     python bench/throughput.py --skip-hf --quantization gguf        # the GGUF's own Q4 weights
+    python bench/throughput.py --skip-hf --min-output 1 --max-output 8 --prefill-bf16  # prefill-heavy
 
 The KV cache is fp32 (the model's dtype) unless --kv-cache-dtype says otherwise; the tables name
 it. transformers always keeps its cache in fp32. The decode-step table is also measured with the
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quantization", default="none",
                     help="tierserve's --quantization (none, gguf, int8, int4, auto)")
+    ap.add_argument("--prefill-bf16", action="store_true",
+                    help="tierserve's --prefill-bf16 (AMX CPUs): prefill GEMMs in bf16")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run both engines this many times, alternating, and report the median "
                          "ratio (for noisy machines; each repeat takes the full workload time)")
@@ -173,7 +176,7 @@ def main() -> None:
     llm = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=3 << 30,
               num_threads=threads, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, prefill_bf16=args.prefill_bf16)
     kv = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     mc = llm.engine.model_config
     flops = gemm_flops()
@@ -189,7 +192,7 @@ def main() -> None:
         other = LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=3 << 30, num_threads=threads, kv_cache_dtype=name,
-                    quantization=args.quantization)
+                    quantization=args.quantization, prefill_bf16=args.prefill_bf16)
         other_kv = str(other.engine.runner.kv_dtype).removeprefix("torch.")
         if other_kv in by_kv:
             continue

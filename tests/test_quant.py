@@ -89,6 +89,8 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
         assert torch.equal(native4(xm, ops, bias), ops.packed_linear(xm, panels, w.shape[0],
                                                                      bias))
     assert err(Int4Weight(shuffled, native=True)(x, ops)) > 0.3
+    assert torch.equal(native4.decode(ops), w)  # --prefill-bf16's weights: exact, or bf16-rounded
+    assert torch.equal(native4.decode(ops, bf16=True), w.to(torch.bfloat16))
     assert torch.equal(native4.unpack().codes, g.codes)  # the panel order undone
     assert err(native4(x)) < 0.01  # no extension: torch's packing, made once
     q8 = quantize_int8_groups(w)  # int8 mode: min/max groups of 32, codes 0..255
@@ -107,6 +109,7 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
     # the native Q8_0 head, and the embedding rows from the same bytes (exact)
     native = Int8GroupWeight(e, native=True)
     assert torch.equal(native.rows(ids), exact)
+    assert torch.equal(native.decode(ops, bf16=True)[ids], exact.to(torch.bfloat16))
     head = ops.pack_linear_weight(native.rows(torch.arange(e.q.shape[0])))
     for m in (1, 4, 50):
         hx = torch.randn(m, e.q.shape[1], generator=gen)
@@ -245,6 +248,8 @@ for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.3.self_attn.q_
         assert torch.equal(q4(x, ops), ops.packed_linear(x, panels, w.shape[0])), (name, m)
         assert torch.equal(q4(x, ops, bias), ops.packed_linear(x, panels, w.shape[0], bias))
         assert torch.equal(ops.q4_decode(q4.codes, q4.d, q4.z, w.shape[0]), w)
+        assert torch.equal(ops.q4_decode(q4.codes, q4.d, q4.z, w.shape[0], True),
+                           w.to(torch.bfloat16))
 e = Int8GroupWeight(blocks_to_groups(src.blocks["model.embed_tokens.weight"]), native=True)
 for q8 in (e, Int8GroupWeight(quantize_int8_groups(w), native=True)):
     rows = q8.rows(torch.arange(q8.out_features))

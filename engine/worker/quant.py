@@ -133,8 +133,9 @@ class QuantWeight:
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, ops=None) -> torch.Tensor:
-        """The weight as fp32 [out, in] (exactly the values the kernels multiply by)."""
+    def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
+        """The weight as fp32 [out, in] (exactly the values the kernels multiply by), or rounded
+        to bf16."""
         raise NotImplementedError
 
 
@@ -199,10 +200,11 @@ class Int4Weight(QuantWeight):
         codes = torch.stack([c & 15, c >> 4], 3).reshape(-1, self.codes.shape[1] * GROUP)[:n]
         return Int4Groups(codes.int(), _from_panels(self.d, n), _from_panels(self.z, n))
 
-    def decode(self, ops=None) -> torch.Tensor:
+    def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
         if self.codes is not None and ops is not None:
-            return ops.q4_decode(self.codes, self.d, self.z, self.out_features)
-        return self.unpack().dequantize() if self.codes is not None else _torch_int4_rows(self)
+            return ops.q4_decode(self.codes, self.d, self.z, self.out_features, bf16)
+        w = self.unpack().dequantize() if self.codes is not None else _torch_int4_rows(self)
+        return w.to(torch.bfloat16) if bf16 else w
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.codes is not None and ops is not None:
@@ -261,10 +263,11 @@ class Int8GroupWeight(QuantWeight):
         y = self.hi(x) + self.lo(x)
         return y if bias is None else y + bias
 
-    def decode(self, ops=None) -> torch.Tensor:
+    def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
-            return ops.q8_decode(self.q8, self.d, self.out_features, self.z)
-        return self.rows(torch.arange(self.out_features))
+            return ops.q8_decode(self.q8, self.d, self.out_features, self.z, bf16)
+        w = self.rows(torch.arange(self.out_features))
+        return w.to(torch.bfloat16) if bf16 else w
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""

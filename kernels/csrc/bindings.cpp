@@ -59,11 +59,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("z") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("q4_decode", &q4_decode, "4-bit weight groups in panel order -> fp32 [N, K]",
-        py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("n"),
+        py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("n"), py::arg("bf16") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_decode", &q8_decode, "8-bit weight groups in panel order -> fp32 [N, K]",
         py::arg("codes"), py::arg("d"), py::arg("n"), py::arg("z") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bf16") = false, py::call_guard<py::gil_scoped_release>());
   m.def("set_spin_us", &ts::set_spin_us, "how long idle workers stay awake between loops");
   m.def("spin_us", &ts::spin_us, "the current worker spin time");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");

@@ -165,9 +165,11 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z,
 at::Tensor q8_linear(at::Tensor x, at::Tensor codes, at::Tensor d, int64_t n,
                      c10::optional<at::Tensor> bias, c10::optional<at::Tensor> z);
 
-// The weights themselves, decoded to fp32 [N, K] (a bf16 prefill GEMM takes them from there).
-at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n);
-at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z);
+// The weights themselves, decoded to [N, K]: fp32, or rounded to bf16 (nearest-even) for a
+// bf16 prefill GEMM.
+at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n, bool bf16);
+at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z,
+                     bool bf16);
 
 // The same for callers that split the work themselves (decode_forward.cpp): a weight as
 // pointers into its tensors, and panels [p0, p1) of y (row stride ldy) from M rows of x (row

@@ -314,12 +314,12 @@ Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
 
 namespace {
 
-// The weight decoded to fp32 [N, K] (for a bf16 GEMM elsewhere: --prefill-bf16), panels split
+// The weight decoded to [N, K], fp32 or rounded to bf16 (for --prefill-bf16's GEMMs), panels split
 // between the pool's threads: each panel's rows decoded k by k, then written row by row.
-template <class Rows>
+template <class Rows, class Out>
 at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
-  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(c10::CppTypeToScalarType<Out>::value));
+  Out* o = out.template data_ptr<Out>();
   const int64_t NP = (N + kP - 1) / kP;
   ts::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(K * kP);
@@ -331,7 +331,7 @@ at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
           rows.row(k).store(panel.data() + (b * kGroup + k) * kP, kP);
       }
       for (int64_t i = 0; i < std::min(kP, N - p * kP); ++i)
-        for (int64_t k = 0; k < K; ++k) o[(p * kP + i) * K + k] = panel[k * kP + i];
+        for (int64_t k = 0; k < K; ++k) o[(p * kP + i) * K + k] = Out(panel[k * kP + i]);
     }
   });
   return out;
@@ -339,15 +339,21 @@ at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
 
 }  // namespace
 
-at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n) {
-  const Q4Linear w = q4_weight(codes, d, z, n);
-  return decode_all(Q4Rows{&w, w.K / kGroup}, w.N, w.K);
+template <class Rows>
+at::Tensor decode_as(Rows rows, int64_t N, int64_t K, bool bf16) {
+  return bf16 ? decode_all<Rows, c10::BFloat16>(rows, N, K) : decode_all<Rows, float>(rows, N, K);
 }
 
-at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z) {
+at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n, bool bf16) {
+  const Q4Linear w = q4_weight(codes, d, z, n);
+  return decode_as(Q4Rows{&w, w.K / kGroup}, w.N, w.K, bf16);
+}
+
+at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z,
+                     bool bf16) {
   const Q8Linear w = q8_weight(codes, d, z.value_or(at::Tensor()), n);
-  if (w.z) return decode_all(Q8Rows<true>{&w, w.K / kGroup}, w.N, w.K);
-  return decode_all(Q8Rows<false>{&w, w.K / kGroup}, w.N, w.K);
+  if (w.z) return decode_as(Q8Rows<true>{&w, w.K / kGroup}, w.N, w.K, bf16);
+  return decode_as(Q8Rows<false>{&w, w.K / kGroup}, w.N, w.K, bf16);
 }
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,

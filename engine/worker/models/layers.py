@@ -69,8 +69,9 @@ class Linear(nn.Module):
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) with x and W rounded to bf16 (quantized weights decoded first), fp32
         accumulation and result: oneDNN runs it on AMX's bf16 tiles where the CPU has them."""
-        w = self._quant.decode(self.ops) if self._quant is not None else self.weight
-        y = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        w = (self._quant.decode(self.ops, bf16=True) if self._quant is not None
+             else self.weight.to(torch.bfloat16))
+        y = F.linear(x.to(torch.bfloat16), w).float()
         return y if self.bias is None else y + self.bias
 
 
