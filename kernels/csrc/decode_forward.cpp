@@ -7,7 +7,8 @@
 // wrote. Every output is computed by the same code in the same order as layer by layer, so the
 // result is bit-identical to it. Sparse layers (DecodeStackArgs.summaries, from dense_layers on)
 // call sparse_paged_decode for their rows in place of paged_decode, each member counting into
-// stats of its own.
+// stats of its own. Quantized linears (DecodeStackArgs.qweights) are split by panels the same way
+// and run quant_linear.cpp's panel functions (the fp32 path's order of arithmetic).
 //
 // Stack is one call's set-up (the shared activations, who takes which rows); Member::layer is one
 // member's step through a layer (Member::attend its attention); decode_forward runs the team.
