@@ -473,3 +473,18 @@ def test_kept_gguf_source_is_reused_only_while_the_file_is_unchanged(embedded, t
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten, as tools do
     c = load_model_source(str(path))
     assert c.weights[name] is not b.weights[name] and torch.equal(c.weights[name], b.weights[name])
+
+
+def test_quantized_linears_with_a_qkv_bias_in_one_call_and_layer_by_layer(tokenizer_files,
+                                                                           tmp_path, monkeypatch):
+    """int8 weights on a model whose qkv projection has a bias (Qwen2): the decode stack takes
+    the bias whole panels long as for fp32, and gives the layer-by-layer path's tokens."""
+    config_cls, kw = HF_CASES["qwen2-bias"]
+    path = _save_hf(_hf_model(config_cls, seed=3, **kw), tokenizer_files, tmp_path / "m")
+    llm = LLM(model=str(path), quantization="int8", **ENGINE)
+    model = llm.engine.runner.model
+    assert model._qstack and model._stack[2].numel() % 16 == 0  # the qkv bias, padded
+    monkeypatch.setattr(model, "stack_decode_min_batch", 0)
+    by_layer = _our_greedy(llm, PROMPTS)
+    monkeypatch.setattr(model, "stack_decode_min_batch", 1)
+    assert _our_greedy(llm, PROMPTS) == by_layer

@@ -62,14 +62,20 @@ class Int4Groups:
         return torch.addcmul(self.offset[..., None], q, self.scale[..., None]).view(n, k)
 
 
-def quantize_int4(w: torch.Tensor) -> Int4Groups:
-    """Asymmetric 4-bit groups of 32: each group's min and max map to codes 0 and 15."""
+def _minmax_groups(w: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric groups of 32 along the input: each group's min and max map to codes 0 and top;
+    returns (codes [out, in] int32, scale, min [out, in / 32])."""
     n, k = w.shape
     g = w.float().view(n, k // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-10)
-    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return Int4Groups(codes.view(n, k), scale, lo)
+    scale = ((hi - lo) / top).clamp_min(1e-10)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, top).to(torch.int32)
+    return codes.view(n, k), scale, lo
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Groups:
+    """Asymmetric 4-bit groups of 32: each group's min and max map to codes 0 and 15."""
+    return Int4Groups(*_minmax_groups(w, 15))
 
 
 def gguf_q4_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Groups:
@@ -106,12 +112,7 @@ class Int8Groups:
 def quantize_int8_groups(w: torch.Tensor) -> Int8Groups:
     """Asymmetric 8-bit groups of 32: each group's min and max map to codes 0 and 255 (the
     symmetric form, absmax -> 127, agreed 97.7% against 100% on the embedded model)."""
-    n, k = w.shape
-    g = w.float().view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 255).clamp_min(1e-10)
-    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 255).to(torch.int32)
-    return Int8Groups(q.view(n, k), scale, lo)
+    return Int8Groups(*_minmax_groups(w, 255))
 
 
 def gguf_q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int8Groups:
@@ -137,6 +138,15 @@ class QuantWeight:
         """The weight as fp32 [out, in] (exactly the values the kernels multiply by), or rounded
         to bf16."""
         raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds (weight_bytes counts these)."""
+        raise NotImplementedError
+
+    def stack_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(codes, d, z or None) as the native decode stack takes them (decode_forward.cpp's
+        qweights), or None where this weight runs torch's kernel."""
+        return None
 
 
 def _panel_rows(t: torch.Tensor) -> torch.Tensor:
@@ -192,6 +202,13 @@ class Int4Weight(QuantWeight):
                 torch.bfloat16)
             self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
         self.groups = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales_zeros, self.codes, self.d, self.z)
+                if t is not None]
+
+    def stack_parts(self):
+        return None if self.codes is None else (self.codes, self.d, self.z)
 
     def unpack(self) -> Int4Groups:
         """The groups back from the panel order."""
@@ -262,6 +279,13 @@ class Int8GroupWeight(QuantWeight):
                                     None if self.z is None else _from_panels(self.z, n)))
         y = self.hi(x) + self.lo(x)
         return y if bias is None else y + bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        own = [t for t in (self.q8, self.d, self.z, self.offset) if t is not None]
+        return own + (self.hi.tensors() + self.lo.tensors() if self.hi is not None else [])
+
+    def stack_parts(self):
+        return None if self.q8 is None else (self.q8, self.d, self.z)
 
     def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
@@ -344,7 +368,8 @@ def blocks_to_groups(b) -> Int4Groups | Int8Groups:
         unpermute_rope(t.numpy(), b.rope_heads))) for t in dataclasses.astuple(g)))
 
 
-_LINEARS = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj\.weight")
+_LINEARS = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn\.[qkvo]|mlp\.(?:gate|up|down))_proj\.weight")
 
 
 def gguf_covers(weights: dict, blocks: dict) -> bool:
@@ -450,13 +475,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     tensors = [p for p in model.parameters()]
     for m in model.modules():
         w = getattr(m, "_quant", None) or getattr(m, "table", None)
-        parts = [w.hi, w.lo] if isinstance(w, Int8GroupWeight) else [w]
-        if isinstance(w, Int8GroupWeight):
-            tensors += [t for t in (w.q8, w.d, w.z, w.offset) if t is not None]
-        for p in parts:
-            if isinstance(p, Int4Weight):
-                tensors += [t for t in (p.packed, p.scales_zeros, p.codes, p.d, p.z)
-                            if t is not None]
+        if isinstance(w, QuantWeight):
+            tensors += w.tensors()
     for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())

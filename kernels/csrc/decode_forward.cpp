@@ -162,14 +162,11 @@ Stack::Stack(const DecodeStackArgs& args)
       if (L.quant) {
         TORCH_CHECK(!a.qweights.empty(), "quantized codes without their scales (qweights)");
         const at::Tensor &d = a.qweights[l * 8 + 2 * i], &z = a.qweights[l * 8 + 2 * i + 1];
-        if (L.eight) {
-          L.q8 = q8_weight(L.panels, d, z, L.N);
-          L.q4.N = L.q8.N, L.q4.K = L.q8.K;  // the shape, checked below for both
-        } else {
-          L.q4 = q4_weight(L.panels, d, z, L.N);
-        }
-        TORCH_CHECK(L.q4.N == L.N && L.q4.K == ins[i], "layer ", l, ": a quantized linear is [",
-                    L.q4.N, ", ", L.q4.K, "], not [", L.N, ", ", ins[i], "]");
+        if (L.eight) L.q8 = q8_weight(L.panels, d, z, L.N);  // checks the rows (N)
+        else L.q4 = q4_weight(L.panels, d, z, L.N);
+        const int64_t K = L.eight ? L.q8.K : L.q4.K;
+        TORCH_CHECK(K == ins[i], "layer ", l, ": a quantized linear takes ", K, " inputs, not ",
+                    ins[i]);
       }
     }
     const at::Tensor& b = a.weights[l * kPerLayer + 2];

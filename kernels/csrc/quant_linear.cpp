@@ -165,6 +165,22 @@ struct Q8Rows {
   }
 };
 
+// The 8-bit format's two forms, by whether the weight has an offset.
+template <class F>
+void with_q8_rows(const Q8Linear& w, F f) {
+  if (w.z) f(Q8Rows<true>{&w, w.K / kGroup});
+  else f(Q8Rows<false>{&w, w.K / kGroup});
+}
+
+// Panel p decoded into out [K, 16] (pack_linear_weight's layout of one panel).
+template <class Rows>
+void decode_panel(Rows rows, int64_t p, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kGroup; ++b) {
+    rows.begin(p, b);
+    for (int64_t k = 0; k < kGroup; ++k) rows.row(k).store(out + (b * kGroup + k) * kP, kP);
+  }
+}
+
 // Panels [p, p + NPAN) for R rows of x: the weights decoded k by k into registers.
 template <int R, int NPAN, class Rows>
 void fused_tile(Rows rows[NPAN], int64_t p, int64_t K, const float* x, int64_t lda,
@@ -211,14 +227,7 @@ void panels(Rows proto, int64_t K, const float* x, int64_t lda, const float* bia
     std::vector<float> buf(kGroupPanels * K * kP);
     for (int64_t p = p0; p < p1; p += kGroupPanels) {
       const int64_t np = std::min(kGroupPanels, p1 - p);
-      for (int64_t j = 0; j < np; ++j) {
-        Rows rows = proto;
-        float* out = buf.data() + j * K * kP;
-        for (int64_t b = 0; b < K / kGroup; ++b) {
-          rows.begin(p + j, b);
-          for (int64_t k = 0; k < kGroup; ++k) rows.row(k).store(out + (b * kGroup + k) * kP, kP);
-        }
-      }
+      for (int64_t j = 0; j < np; ++j) decode_panel(proto, p + j, K, buf.data() + j * K * kP);
       linear_panels(x, lda, M, K, buf.data(), std::min(np * kP, N - p * kP),
                     bias ? bias + p * kP : nullptr, y + p * kP, 0, np, ldy);
     }
@@ -249,10 +258,7 @@ void q4_linear_panels(const Q4Linear& w, const float* x, int64_t lda, const floa
 
 void q8_linear_panels(const Q8Linear& w, const float* x, int64_t lda, const float* bias, float* y,
                       int64_t ldy, int64_t M, int64_t p0, int64_t p1) {
-  if (w.z)
-    panels(Q8Rows<true>{&w, w.K / kGroup}, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1);
-  else
-    panels(Q8Rows<false>{&w, w.K / kGroup}, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1);
+  with_q8_rows(w, [&](auto rows) { panels(rows, w.K, x, lda, bias, y, ldy, M, w.N, p0, p1); });
 }
 
 namespace {
@@ -323,13 +329,8 @@ at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
   const int64_t NP = (N + kP - 1) / kP;
   ts::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(K * kP);
-    Rows rows = proto;
     for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t b = 0; b < K / kGroup; ++b) {
-        rows.begin(p, b);
-        for (int64_t k = 0; k < kGroup; ++k)
-          rows.row(k).store(panel.data() + (b * kGroup + k) * kP, kP);
-      }
+      decode_panel(proto, p, K, panel.data());
       for (int64_t i = 0; i < std::min(kP, N - p * kP); ++i)
         for (int64_t k = 0; k < K; ++k) o[(p * kP + i) * K + k] = Out(panel[k * kP + i]);
     }
@@ -352,8 +353,9 @@ at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n, bo
 at::Tensor q8_decode(at::Tensor codes, at::Tensor d, int64_t n, c10::optional<at::Tensor> z,
                      bool bf16) {
   const Q8Linear w = q8_weight(codes, d, z.value_or(at::Tensor()), n);
-  if (w.z) return decode_as(Q8Rows<true>{&w, w.K / kGroup}, w.N, w.K, bf16);
-  return decode_as(Q8Rows<false>{&w, w.K / kGroup}, w.N, w.K, bf16);
+  at::Tensor out;
+  with_q8_rows(w, [&](auto rows) { out = decode_as(rows, w.N, w.K, bf16); });
+  return out;
 }
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n,

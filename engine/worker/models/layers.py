@@ -44,6 +44,9 @@ class Linear(nn.Module):
         """Prepack for whichever CPU kernel `ops` selects (one packed copy at a time)."""
         w = self.weight.detach()
         self._packed = self._panels = self._panel_bias = None
+        if self._quant is not None and self.ops is not None and self.bias is not None:
+            # the native quantized kernels take the bias whole panels long, as fp32's
+            self._panel_bias = F.pad(self.bias.detach(), (0, -self.bias.shape[0] % 16))
         if w.device.type != "cpu" or w.dtype != torch.float32 or self._quant is not None:
             return
         if self.ops is not None:

@@ -187,17 +187,15 @@ class LlamaForCausalLM(nn.Module):
         none = torch.empty(0)
         self._stack = []
         for layer, (qkv, o, gate_up, down) in zip(self.layers, linears):
-            bias = none if qkv.bias is None else (
-                qkv._panel_bias if qkv._panel_bias is not None else qkv.bias.detach())
-            self._stack += [layer.input_layernorm.weight, _stack_weight(qkv), bias,
+            self._stack += [layer.input_layernorm.weight, _stack_weight(qkv),
+                            none if qkv.bias is None else qkv._panel_bias,
                             _stack_weight(o), layer.post_attention_layernorm.weight,
                             _stack_weight(gate_up), _stack_weight(down)]
-        if any(lin._quant is not None for lins in linears for lin in lins):
-            self._qstack = []
-            for lin in (lin for lins in linears for lin in lins):
-                q = lin._quant
-                z = getattr(q, "z", None)
-                self._qstack += [none, none] if q is None else [q.d, none if z is None else z]
+        parts = [lin._quant.stack_parts() if lin._quant is not None else None
+                 for lins in linears for lin in lins]
+        if any(parts):
+            self._qstack = [t if t is not None else none
+                            for p in parts for t in (p[1:] if p else (None, None))]
 
     # ---- decode steps in one native call (kernels/csrc/decode_forward.cpp) -----------------
 
@@ -240,9 +238,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _stack_weight(lin: Linear) -> torch.Tensor | None:
     """What decode_forward takes for this linear: its fp32 panels, or its codes as the native
-    q4_linear (uint8) or q8_linear (int8) take them (d and z go in the call's qweights); None
-    where it runs another kernel."""
+    q4_linear (uint8) or q8_linear (int8, or uint8 with an offset) take them (d and z go in the
+    call's qweights); None where it runs another kernel."""
     if lin._panels is not None:
         return lin._panels
-    q = lin._quant
-    return getattr(q, "codes", None) if getattr(q, "q8", None) is None else q.q8
+    parts = lin._quant.stack_parts() if lin._quant is not None else None
+    return parts[0] if parts else None
