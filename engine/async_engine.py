@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from tierserve.engine.info import EngineInfo
@@ -38,6 +38,7 @@ from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.worker.grammar import GrammarStats
 from tierserve.engine.worker.sparse import SparseStats
+from tierserve.engine.spec.speculator import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class EngineSnapshot:
     """Requests the engine holds state for (a refused request must leave none)."""
     grammar: GrammarStats = GrammarStats()
     """Structured outputs: requests, compiles, cache hits, mask time."""
+    spec: SpecStats = field(default_factory=SpecStats)
+    """Speculative decoding's counters (a copy; zeros when it is off)."""
 
 
 class QueueFull(Exception):
@@ -392,7 +395,7 @@ class AsyncEngine:
                                        _hist(st.table_width), _hist(st.metadata_bytes),
                                        st.metadata_seconds,
                                        e.runner.sparse.stats, e.num_tracked,
-                                       e.grammar_stats())
+                                       e.grammar_stats(), e.spec_stats())
 
 
 def _hist(b) -> HistogramSnapshot:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from tierserve.engine.kv_tiers.config import TierConfig
+from tierserve.engine.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,9 @@ class EngineConfig:
     """KV tiers below the device cache (cpu, disk, s3); None: the device cache alone."""
     sparse: SparseConfig = field(default_factory=SparseConfig)
     """Sparse top-k decode attention (off by default)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's --speculative-config): n-gram lookup or a draft model
+    proposes tokens the model verifies in the same step (engine/spec/); None: off."""
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)

@@ -58,3 +58,5 @@ class EngineInfo:
     """Which kernel each kind of quantized layer runs (empty: none)."""
     weight_bytes: int = 0
     """Bytes the weights hold on the device."""
+    speculative: str | None = None
+    """Speculative decoding as configured (SpeculativeConfig.describe()), or None when off."""

@@ -14,6 +14,7 @@ from tierserve.engine.kv_tiers.config import TierConfig, default_cpu_bytes, defa
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.spec.config import SpeculativeConfig
 from tierserve.paths import cache_dir
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -60,6 +61,8 @@ def build_config(**kwargs) -> EngineConfig:
                         f"{sorted(valid | _CACHE_FIELDS | _SCHED_FIELDS | set(TIER_ARGS) | set(SPARSE_ARGS))}")
     sparse_cfg = SparseConfig(**sparse)
     sparse_cfg.validate()
+    if "speculative_config" in kwargs:  # JSON text, a dict or a SpeculativeConfig
+        kwargs["speculative_config"] = SpeculativeConfig.parse(kwargs["speculative_config"])
     return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
                         kv_tiers=tiers, sparse=sparse_cfg, **kwargs)
 

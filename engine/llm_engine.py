@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tierserve.engine.core.block_hash import fingerprint, scope_key
 from tierserve.engine.core.block_pool import BlockPool
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SparseConfig
 from tierserve.engine.worker.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.info import EngineInfo, SparseStatus
@@ -35,6 +35,9 @@ from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, Gramma
 from tierserve.engine.worker.quant import QuantizationError, check_mode, gguf_covers
 from tierserve.kernels.native import cpu_has, fused_ops
 from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.spec.config import SpeculativeConfig
+from tierserve.engine.spec.draft import DraftModelProposer
+from tierserve.engine.spec.speculator import SpecStats, Speculator, make_proposer
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.kernels.kv_dtype import kv_elem_size
 
@@ -123,7 +126,13 @@ class LLMEngine:
         if config.sparse.enabled:  # each block's key summaries (min, max) in every layer, fp32
             mc = src.config
             block_bytes += mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
-        model_len = min(config.scheduler.max_model_len, src.config.max_position_embeddings)
+        spec = config.speculative_config
+        draft = self._draft_source(spec, src) if spec is not None else None
+        if draft is not None:  # the draft's blocks come out of the same budget, one per block
+            block_bytes += bs * draft.config.kv_bytes_per_token(
+                kv_elem_size(config.kv_cache_dtype, config.dtype))
+        model_len = min(config.scheduler.max_model_len, src.config.max_position_embeddings,
+                        *((draft.config.max_position_embeddings,) if draft is not None else ()))
         profile_gpu = (config.cache.num_blocks is None and config.cache.kv_cache_memory_bytes is None
                        and self.device_choice.type == "cuda")
         if profile_gpu:  # a cache just big enough for the profiling step; resized below
@@ -157,6 +166,8 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, self.pool.num_blocks * bs)
         self.runner.capture_graphs(self.pool.num_blocks)
         self.kv, self.kv_worker = self._connector(tiers)
+        self.speculator = self._speculator(spec, draft, num_blocks)
+        """Speculative decoding's proposer and bookkeeping (None: off)."""
         """The KV connector's scheduler side (torch-free) and worker side: no-ops without
         tiers."""
         self._grammars: GrammarBook | None = None
@@ -187,6 +198,50 @@ class LLMEngine:
                  num_blocks * bs)
         return num_blocks
 
+    def _draft_source(self, spec: SpeculativeConfig, target):
+        """The draft model's weights (draft_model) after checking it can propose for the target:
+        the same vocabulary, token for token. None for the n-gram method."""
+        if spec.method != "draft_model":
+            return None
+        draft = load_model_source(spec.model)
+        if draft.config.vocab_size != target.config.vocab_size or \
+                draft.tokenizer.tokenizer.get_vocab() != target.tokenizer.tokenizer.get_vocab():
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has another "
+                             f"vocabulary ({draft.config.vocab_size} tokens) than the target "
+                             f"({target.config.vocab_size}); a draft must share the tokenizer")
+        return draft
+
+    def _speculator(self, spec: SpeculativeConfig | None, draft, num_blocks: int) -> Speculator | None:
+        if spec is None:
+            return None
+
+        def draft_proposer() -> DraftModelProposer:
+            mode = "auto" if self.config.quantization in ("auto", "gguf") else self.config.quantization
+            native = self.device_choice.type == "cpu" and fused_ops() is not None
+            cfg = dataclasses.replace(
+                self.config, model=spec.model, speculative_config=None, kv_tiers=None,
+                sparse=SparseConfig(), cuda_graphs=False,
+                quantization=resolve_quantization(mode, self.device_choice.type, self.config.dtype,
+                                                  gguf_covers(draft.weights, draft.blocks), native))
+            runner = ModelRunner(cfg, draft.config, draft.weights, num_blocks, self.max_model_len,
+                                 draft.blocks)
+            return DraftModelProposer(runner, self.pool.num_blocks, self.config.cache.block_size,
+                                      self.config.scheduler.max_num_batched_tokens)
+
+        sparse = self.config.sparse
+        k = spec.num_speculative_tokens
+
+        def may_speculate(req: Request) -> bool:
+            """No grammar (its matcher advances one accepted token at a time), and a dense decode
+            (a verify row attends densely; a sparse row would change its distribution)."""
+            return req.params.structured_outputs is None and not (
+                sparse.enabled and req.hints.sparse_attention is not False
+                and req.num_tokens + k >= sparse.min_context)
+
+        log.info("speculative decoding: %s", spec.describe())
+        return Speculator(spec, make_proposer(spec, draft_proposer), self.max_model_len,
+                          may_speculate)
+
     def _connector(self, tiers: TierConfig | None):
         if tiers is None:
             return NoKVConnector(), NoKVWorker()
@@ -211,7 +266,9 @@ class LLMEngine:
             events=manager.events if manager is not None else None,
             tier_stats=manager.stats if manager is not None else None,
             policy_counters=self.kv.counters, quantization=self.config.quantization,
-            quant_kernels=dict(runner.quant_kinds), weight_bytes=runner.weight_bytes)
+            quant_kernels=dict(runner.quant_kinds), weight_bytes=runner.weight_bytes,
+            speculative=(self.config.speculative_config.describe()
+                         if self.config.speculative_config is not None else None))
 
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
@@ -234,6 +291,10 @@ class LLMEngine:
         """Start (or find, within the caller's cache scope) the compile of `spec`; any thread.
         GrammarError inside the future."""
         return self.grammars.compiler.submit(spec, scope)
+
+    def spec_stats(self) -> SpecStats:
+        """A copy of speculative decoding's counters (zeros when it is off)."""
+        return self.speculator.stats.copy() if self.speculator is not None else SpecStats()
 
     def grammar_stats(self) -> GrammarStats:
         return self._grammars.stats() if self._grammars is not None else GrammarStats()
@@ -302,6 +363,8 @@ class LLMEngine:
         for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._tracked.pop(req.request_id, None)
             self._forget_grammar(req.request_id)
+            if self.speculator is not None:
+                self.speculator.finished(req.request_id)
             self.kv.finished([req.request_id])
             self.kv_worker.cancel(req.request_id)
 
@@ -313,6 +376,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._bring_in_loads()
         refused = self._refused_grammars()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.kv.preempted(out.preempted)
         self.kv_worker.start(self.kv.take_loads())
@@ -344,16 +409,30 @@ class LLMEngine:
             tr.metrics.setdefault("scheduled", started)
             if tr.prompt_logprobs is not None and rid in result.prompt_logprobs:
                 tr.prompt_logprobs.extend(result.prompt_logprobs[rid])
-            if rid not in result.sampled:
+            tokens = result.sampled.get(rid)
+            if tokens is None:
                 continue
-            if rid in result.logprobs and tr.logprobs is not None:
-                tr.logprobs.append(result.logprobs[rid])
+            if s.spec_token_ids:
+                self.speculator.observe(rid, len(s.spec_token_ids), len(tokens) - 1)
             tr.metrics.setdefault("first_token", now)
             tr.metrics["last_token"] = now
-            self.stats.generation_tokens += 1
-            self._check_stop(tr)
+            self._take_tokens(tr, tokens, result.logprobs.get(rid))
             outputs.append(self._output(tr))
         return outputs
+
+    def _take_tokens(self, tr: _Tracked, tokens: list[int], logprobs: list | None) -> None:
+        """The step's kept tokens (the update appended them), checked for a stop one at a time
+        as if each came from its own step: a stop at one drops the tokens after it."""
+        out = tr.request.output_token_ids
+        del out[len(out) - len(tokens):]
+        for i, tok in enumerate(tokens):
+            out.append(tok)
+            if logprobs is not None and tr.logprobs is not None:
+                tr.logprobs.append(logprobs[i])
+            self.stats.generation_tokens += 1
+            self._check_stop(tr)
+            if tr.request.status.finished:
+                return
 
     def _refused_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile end here, aborted (the server compiles
@@ -405,6 +484,8 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_requests([req.request_id], status)
             self._forget_grammar(req.request_id)
+            if self.speculator is not None:
+                self.speculator.finished(req.request_id)
             self.stats.finished_requests += 1
 
     def _output(self, tr: _Tracked) -> RequestOutput:

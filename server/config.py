@@ -4,6 +4,7 @@ variables, then command-line flags (each source overrides the one before)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from tierserve.engine.config import QUANTIZATIONS, parse_bytes
+from tierserve.engine.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class ServerConfig:
     """Prefill batches (64 tokens or more) multiply the linear layers in bf16 on AMX's tiles
     (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster prefill,
     not the fp32 path's bits: off by default (docs/quantization.md)."""
+    speculative_config: str | None = None
+    """Speculative decoding, as vLLM's flag (JSON): {"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model":
+    PATH, "num_speculative_tokens": 4}; a YAML mapping works too. Unset: off. A request opts out
+    with the header X-Speculative: off (docs/speculative.md)."""
     enable_auto_tool_choice: bool = False
     """tool_choice "auto": parse the model's own tool calls out of its output (vLLM's flag;
     needs tool_call_parser). Off: "auto" with tools is a 400; "required" and a named function
@@ -221,6 +228,9 @@ class ServerConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
+        if isinstance(self.speculative_config, dict):  # a YAML mapping
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one is a one-line ValueError
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be above 0")
         if self.cache_scope == "per-key" and not self.api_key:
@@ -263,7 +273,7 @@ class ServerConfig:
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
                 "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids", "quantization",
-                "prefill_bf16",
+                "prefill_bf16", "speculative_config",
                 *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 

@@ -20,6 +20,7 @@ from tierserve.engine.worker.grammar import COMPILE_BUCKETS, GrammarStats
 from tierserve.engine.info import EngineInfo
 from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
 from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.spec.speculator import SpecStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -69,6 +70,22 @@ class _SnapshotCollector:
         yield _counter("tierserve:sparse_selection_seconds", "Time scoring and choosing blocks "
                        "(summed over kernel threads).", sp.selection_seconds, lbl)
         yield from _grammar(s.grammar, lbl)
+        yield from _spec(s.spec, lbl)
+
+
+def _spec(sp: SpecStats, lbl: list[str]) -> Iterable[Metric]:
+    yield _counter("vllm:spec_decode_num_drafts", "Speculative rows verified (one request's "
+                   "proposals checked in one step).", sp.num_drafts, lbl)
+    yield _counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed.", sp.num_draft_tokens,
+                   lbl)
+    yield _counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                   sp.num_accepted_tokens, lbl)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Rows whose proposal at this position was accepted.",
+                                  labels=["model_name", "position"])
+    for i, n in enumerate(sp.accepted_per_pos):
+        per_pos.add_metric([*lbl, str(i)], n)
+    yield per_pos
 
 
 def _grammar(g: GrammarStats, lbl: list[str]) -> Iterable[Metric]:

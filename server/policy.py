@@ -4,6 +4,7 @@ body field, parsed and checked into one engine KVHints (the engine knows no HTTP
     X-KV-Load-Tiers, X-KV-Store-Tiers   comma list of tier names | all | none
     X-SLO-TTFT-Ms                       time-to-first-token budget, a positive number
     X-SLO-Class                         interactive | batch
+    X-Sparse-Attention, X-Speculative   on | off (sparse top-k decode; speculative decoding)
     kv_transfer_params                  {kv_load_tiers, kv_store_tiers: [matcher...],
                                          max_load_tokens, max_offload_tokens}
     matcher                             {"medium": CPU|STORAGE, "locality": LOCAL|REMOTE}; a tier
@@ -39,7 +40,8 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
     return KVHints(load_tiers=load, store_tiers=store, ttft_budget_ms=_budget(h),
                    slo_class=_slo_class(h), max_load_tokens=_count(body, "max_load_tokens"),
                    max_offload_tokens=_count(body, "max_offload_tokens"),
-                   sparse_attention=_on_off(h, "x-sparse-attention"))
+                   sparse_attention=_on_off(h, "x-sparse-attention"),
+                   speculative=_on_off(h, "x-speculative"))
 
 
 def default_hints(config, tiers: list[TierDescriptor]) -> KVHints:

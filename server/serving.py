@@ -95,6 +95,9 @@ def start_call(request: Request, body: _SamplingFields) -> Call:
         raise bad_request("header X-Sparse-Attention: on, but sparse attention is not enabled on "
                           "this server (start it with --sparse-topk-blocks or --sparse-topk-ratio)",
                           "X-Sparse-Attention")
+    if hints.speculative and ctx.engine.info.speculative is None:
+        raise bad_request("header X-Speculative: on, but speculative decoding is not enabled on "
+                          "this server (start it with --speculative-config)", "X-Speculative")
     return Call(request.state.request_id, hints, int(time.time()), _cache_scope(ctx, request))
 
 

@@ -21,7 +21,7 @@ def req(rid, n, max_tokens=8, priority=0, t=0.0, base=0):
 def run_step(s: Scheduler, next_token=7):
     """A fake model: every sampling request gets next_token; finishes at max_tokens."""
     out = s.schedule()
-    s.update(out, {x.request.request_id: next_token for x in out.scheduled if x.samples})
+    s.update(out, {x.request.request_id: [next_token] for x in out.scheduled if x.samples})
     done = [x.request.request_id for x in out.scheduled
             if x.request.status is RequestStatus.RUNNING
             and len(x.request.output_token_ids) >= x.request.max_tokens]

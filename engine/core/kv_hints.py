@@ -34,6 +34,9 @@ class KVHints:
     """At most this many of the request's tokens stored to the tiers (0 turns storing off)."""
     sparse_attention: bool | None = None
     """Sparse top-k decode on (True) or off (False) for this request; None: the server's setting."""
+    speculative: bool | None = None
+    """False: this request never proposes tokens (X-Speculative: off); None or True: it does
+    when the server speculates."""
 
     @property
     def empty(self) -> bool:

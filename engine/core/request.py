@@ -59,6 +59,9 @@ class Request:
     served how many: the KV connector's own table)."""
     hints: KVHints = NO_HINTS
     """What the request asked of the KV tiers (explicit tiers, budgets, SLO)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens (speculative decoding) to verify in the coming step: set before the
+    scheduler runs, cleared by its update; they are not tokens of the request until accepted."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -13,6 +13,12 @@ but are passed over; `complete_load` brings one back with its loaded blocks publ
 admitted like any other. `update` returns the blocks that became full, for the tier store.
 A second hook, `ready(request)`, holds a request in the queue the same way while its structured-
 output grammar compiles.
+
+Speculative decoding: a decode whose request holds proposals (`spec_token_ids`, set by the
+speculator before `schedule`) computes 1 + k positions (its last token, then the proposals; the
+budget may trim them) and its blocks cover them. The update counts computed only the last token
+and the accepted proposals, so a rejected position is never hashed or published; blocks wholly past
+the kept tokens go back to the pool, and the partly used last block is overwritten by later steps.
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ class ScheduledRequest:
     """Block table covering every position up to start + num_new_tokens."""
     samples: bool
     """The step reaches the request's last token, so a next token is sampled."""
+    spec_token_ids: tuple[int, ...] = ()
+    """Proposed tokens verified this step, at the positions after the request's last token
+    (included in num_new_tokens): the target samples at each of the 1 + k positions."""
+
+    @property
+    def num_request_tokens(self) -> int:
+        """Tokens of the request itself computed this step (the proposals are not yet)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,8 @@ class FullBlock:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What one step runs. Decodes come first, in running order, then prefill chunks."""
+    """What one step runs. Decodes come first, in running order, then verified decodes
+    (speculative), then prefill chunks."""
 
     scheduled: tuple[ScheduledRequest, ...]
     num_batched_tokens: int
@@ -75,6 +90,13 @@ _CLASS_RANK = {SloClass.INTERACTIVE: 0, None: 1, SloClass.BATCH: 2}
 def _class_rank(req: Request) -> int:
     """interactive requests are admitted before class-less ones, and those before batch."""
     return _CLASS_RANK[req.hints.slo_class]
+
+
+def _phase(s: ScheduledRequest) -> int:
+    """Step order: decodes, then verified decodes (their rows are decode rows too), then prefills."""
+    if s.num_new_tokens == 1:
+        return 0
+    return 1 if s.spec_token_ids and s.num_request_tokens == 1 else 2
 
 
 class Scheduler:
@@ -137,6 +159,10 @@ class Scheduler:
                 continue
             n = self._chunk(req, budget)
             while not self._grow(req, req.num_computed_tokens + n):
+                if req.spec_token_ids:  # proposals are given up before anyone is preempted
+                    req.spec_token_ids = []
+                    n = self._chunk(req, budget)
+                    continue
                 victim = self.running[-1]  # lowest ranked; never one already scheduled
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -147,7 +173,7 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(budget, scheduled)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        scheduled.sort(key=_phase)
         return SchedulerOutput(tuple(scheduled), self.config.max_num_batched_tokens - budget,
                                tuple(preempted))
 
@@ -198,12 +224,16 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.spec_token_ids:  # a decode with proposals: as many as the budget takes
+            del req.spec_token_ids[max(0, budget - 1):]
+            return n + len(req.spec_token_ids)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap > 0 else n
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        return ScheduledRequest(req, start, n, tuple(req.block_ids), start + n == req.num_tokens)
+        start, spec = req.num_computed_tokens, tuple(req.spec_token_ids)
+        return ScheduledRequest(req, start, n, tuple(req.block_ids),
+                                start + n - len(spec) == req.num_tokens, spec)
 
     def _match_prefix(self, req: Request) -> None:
         """Take the leading cached blocks; at least the last token is always recomputed."""
@@ -236,6 +266,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -243,19 +274,27 @@ class Scheduler:
 
     # ---- after the model ran ---------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> list[FullBlock]:
-        """Advance computed counts, append sampled tokens, publish newly full blocks; returns
-        those blocks (a finished request's keep their KV until allocation reuses them)."""
+    def update(self, output: SchedulerOutput,
+               sampled: dict[RequestId, list[int]]) -> list[FullBlock]:
+        """Advance computed counts, append sampled tokens (a verified row's accepted proposals and
+        the target's next token), publish newly full blocks; returns those blocks (a finished
+        request's keep their KV until allocation reuses them)."""
         bs = self.pool.block_size
         full_blocks: list[FullBlock] = []
         for s in output.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens = s.start + s.num_new_tokens
-            tok = sampled.get(req.request_id)
-            if tok is not None:
-                req.output_token_ids.append(tok)
+            tokens = sampled.get(req.request_id, ())
+            # computed: the request's own tokens, and the accepted proposals (all kept tokens
+            # but the last, whose KV the next step writes)
+            req.num_computed_tokens = s.start + s.num_request_tokens + max(0, len(tokens) - 1)
+            req.output_token_ids.extend(tokens)
+            if s.spec_token_ids:
+                req.spec_token_ids = []
+                keep = -(-req.num_computed_tokens // bs)
+                self.pool.free(req.block_ids[keep:])
+                del req.block_ids[keep:]
             full = req.num_computed_tokens // bs
             if full > req.num_published_blocks:
                 tokens = req.all_token_ids

@@ -97,24 +97,29 @@ class BatchBuffers:
                    block_size: int) -> tuple[BatchLayout, list[int]]:
         """Write a step's tokens, positions, slots, block tables and context lengths into the
         buffers (through numpy views of their memory: no tensor is allocated): the step's layout
-        and the rows that sample."""
-        qlens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
-        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
-        qstart = np.zeros(len(sched) + 1, dtype=np.int64)
+        and the rows that sample. A verified decode's 1 + k positions are 1 + k decode rows of
+        the layout (query_rows), so the step stays a decode step for the attention kernels."""
+        tokens, a = self.tokens.numpy(), 0
+        for s in sched:
+            n = s.num_request_tokens
+            tokens[a:a + n] = s.request.token_slice(s.start, s.start + n)
+            tokens[a + n:a + s.num_new_tokens] = s.spec_token_ids
+            a += s.num_new_tokens
+        rows = query_rows(sched)
+        qlens = np.fromiter((q for _, _, q in rows), dtype=np.int64, count=len(rows))
+        starts = np.fromiter((st for _, st, _ in rows), dtype=np.int64, count=len(rows))
+        qstart = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qstart[1:])
         t = int(qstart[-1])
-        tokens = self.tokens.numpy()
-        for s, a in zip(sched, qstart.tolist()):
-            tokens[a:a + s.num_new_tokens] = s.request.token_slice(s.start, s.start + s.num_new_tokens)
-        tables = self.table_view([s.block_ids for s in sched])
-        seq = np.repeat(np.arange(len(sched)), qlens)
+        tables = self.table_view([s.block_ids for s, _, _ in rows])
+        seq = np.repeat(np.arange(len(rows)), qlens)
         pos = self.positions.numpy()[:t]
         np.add(np.arange(t) - qstart[:-1][seq], starts[seq], out=pos)
         slots = self.slot_mapping.numpy()[:t]
         np.add(tables.numpy()[seq, pos // block_size] * block_size, pos % block_size, out=slots)
         ctx_lens = starts + qlens
-        self.context_lens.numpy()[:len(sched)] = ctx_lens
-        num_decodes = next((i for i, q in enumerate(qlens.tolist()) if q != 1), len(sched))
+        self.context_lens.numpy()[:len(rows)] = ctx_lens
+        num_decodes = next((i for i, q in enumerate(qlens.tolist()) if q != 1), len(rows))
         layout = BatchLayout(num_decodes, qlens.tolist(), ctx_lens.tolist(), qstart.tolist(),
                              tables, self.slot_mapping[:t], block_size)
         return layout, [i for i, s in enumerate(sched) if s.samples]
@@ -122,6 +127,22 @@ class BatchBuffers:
     @staticmethod
     def nbytes(*views: torch.Tensor) -> int:
         return sum(v.numel() * v.element_size() for v in views)
+
+
+def query_rows(sched: tuple[ScheduledRequest, ...]) -> list[tuple[ScheduledRequest, int, int]]:
+    """The layout's rows as (scheduled request, first position, query length): one per request,
+    but a verified decode (its last token and k proposals) gives 1 + k one-token rows over the
+    same blocks, context lengths one apart. Attention is the same either way (each position sees
+    the positions up to its own); as decode rows it runs in the decode kernels and the one-call
+    decode stack. The scheduler puts verified decodes after the plain ones, before prefills, so
+    the leading rows are all one-token rows."""
+    rows = []
+    for s in sched:
+        if s.spec_token_ids and s.num_request_tokens == 1:
+            rows += [(s, s.start + j, 1) for j in range(s.num_new_tokens)]
+        else:
+            rows.append((s, s.start, s.num_new_tokens))
+    return rows
 
 
 class StepInputs(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tierserve.engine.worker.backend_choice import choose_backend
-from tierserve.engine.worker.batch_buffers import BatchBuffers, StepInputs, upload_event
+from tierserve.engine.worker.batch_buffers import BatchBuffers, StepInputs, query_rows, upload_event
 from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.worker.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
 from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
@@ -26,6 +26,7 @@ from tierserve.engine.worker.quant import quantize_model, weight_bytes
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.worker.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.spec.verify import AcceptRule, accepted_prefix
 from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from tierserve.engine.worker.sparse import decode_sparsity, step_bytes
 from tierserve.kernels import BatchLayout, ForwardContext, forward_context
@@ -44,8 +45,11 @@ PREFILL_BF16_MIN_ROWS = 64
 
 @dataclass
 class StepResult:
-    sampled: dict[RequestId, int]
-    logprobs: dict[RequestId, TopLogprobs]
+    sampled: dict[RequestId, list[int]]
+    """Per sampling request, the tokens it keeps: one, or a verified row's accepted proposals and
+    the target's next token."""
+    logprobs: dict[RequestId, list[TopLogprobs]]
+    """Per request that asked, one entry per kept token."""
     prompt_logprobs: dict[RequestId, list[TopLogprobs]]
     """Per request, logprobs of prompt tokens computed this step, in position order."""
     table_width: int = 0
@@ -79,6 +83,8 @@ class ModelRunner:
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
+        self.accept: AcceptRule = accepted_prefix
+        """Speculative decoding's acceptance rule (engine/spec/verify.py)."""
         self._uploaded = upload_event(self.device)
         """Recorded after a step's copies out of the pinned host buffers; the next step's layout
         waits for it before writing them."""
@@ -103,7 +109,10 @@ class ModelRunner:
         self.sparse.allocate(num_blocks)
         sc = self.config.scheduler
         # Fixed-capacity host buffers (pinned on a GPU); each step uses views as wide as its batch.
-        self.buffers = BatchBuffers(sc.max_num_seqs, sc.max_num_batched_tokens,
+        # A verified decode takes 1 + k rows (batch_buffers.query_rows).
+        spec = self.config.speculative_config
+        rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        self.buffers = BatchBuffers(rows, sc.max_num_batched_tokens,
                                     -(-max_model_len // self.block_size), mc.num_kv_heads,
                                     pin_memory=self.device.type == "cuda")
 
@@ -185,15 +194,21 @@ class ModelRunner:
         if not sample_rows:
             return StepResult({}, {}, prompt_lps, **facts)
         # The sampler runs where the logits are; only token ids (and asked logprobs) come back.
-        logits = self._logits(hidden, layout, sample_rows)
-        reqs = [out.scheduled[i].request for i in sample_rows]
+        logits = self._logits(hidden, layout, sample_rows, out)
+        rows = self._sample_rows(out, sample_rows)
         if constrain is not None:
-            constrain(logits, [r.request_id for r in reqs])
-        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                          self._stop_ids(r.params)) for r in reqs]
+            constrain(logits, [r.request_id for r in rows])
         res = self.sampler(logits, rows)
-        sampled = {r.request_id: tok for r, tok in zip(reqs, res.token_ids)}
-        lps = {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None}
+        sampled, lps, at = {}, {}, 0
+        for i in sample_rows:
+            s, r = out.scheduled[i], out.scheduled[i].request
+            k = len(s.spec_token_ids)
+            draws = res.token_ids[at:at + k + 1]
+            n = self.accept(s.spec_token_ids, draws) if k else 0
+            sampled[r.request_id] = list(s.spec_token_ids[:n]) + [draws[n]]
+            if r.params.logprobs is not None:
+                lps[r.request_id] = res.logprobs[at:at + n + 1]
+            at += k + 1
         return StepResult(sampled, lps, prompt_lps, **facts)
 
     @torch.inference_mode()
@@ -202,14 +217,15 @@ class ModelRunner:
         (no sampling, no state change beyond the KV written): for evaluation, e.g. teacher-forced
         agreement of sparse and dense decode."""
         hidden, layout, sample_rows, _ = self._forward(out)
-        return self._logits(hidden, layout, sample_rows)
+        return self._logits(hidden, layout, sample_rows, out)
 
     def _forward(self, out: SchedulerOutput):
         """The model over the step's tokens: (hidden, layout, rows that sample, metadata facts).
         A graph replay and an eager forward differ only in how the inputs reach the device."""
         t0 = time.perf_counter()
         layout, sample_rows = self._layout(out)
-        plan = self.sparse.prepare(out.scheduled, layout, self.buffers)
+        plan = self.sparse.prepare(tuple(s for s, _, _ in query_rows(out.scheduled)), layout,
+                                   self.buffers)
         replay = self.graphs is not None and self.graphs.can_replay(layout)
         inputs = (self.graphs.upload(layout, self.buffers, plan) if replay
                   else self._upload(out, layout, plan))
@@ -237,9 +253,28 @@ class ModelRunner:
                                      b.context_lens[:layout.num_seqs]) + step_bytes(plan)
         return StepInputs(run, slots, nbytes)
 
-    def _logits(self, hidden: torch.Tensor, layout: BatchLayout, rows: list[int]) -> torch.Tensor:
-        idx = torch.tensor([layout.query_start[i + 1] - 1 for i in rows], device=self.device)
-        return self.model.compute_logits(hidden[idx]).float()
+    def _logits(self, hidden: torch.Tensor, layout: BatchLayout, rows: list[int],
+                out: SchedulerOutput) -> torch.Tensor:
+        """Logits of each sampling row's last token; a verified row's 1 + k last positions."""
+        ends = _token_ends(out)
+        idx = [j for i in rows
+               for j in range(ends[i] - 1 - len(out.scheduled[i].spec_token_ids), ends[i])]
+        return self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)]).float()
+
+    def _sample_rows(self, out: SchedulerOutput, sample_rows: list[int]) -> list[SampleRow]:
+        """One row per logits row; position j of a verified row sees the first j proposals as
+        output (penalties, min_tokens and the seeded draw at that index)."""
+        rows = []
+        for i in sample_rows:
+            s, r = out.scheduled[i], out.scheduled[i].request
+            stop = self._stop_ids(r.params)
+            rows.append(SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, stop,
+                                  r.request_id))
+            for j in range(1, len(s.spec_token_ids) + 1):
+                rows.append(SampleRow(r.params, r.prompt_token_ids,
+                                      r.output_token_ids + list(s.spec_token_ids[:j]), stop,
+                                      r.request_id))
+        return rows
 
     def _stop_ids(self, params) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_ids)
@@ -254,6 +289,7 @@ class ModelRunner:
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          layout: BatchLayout) -> dict[RequestId, list[TopLogprobs]]:
         res: dict[RequestId, list[TopLogprobs]] = {}
+        ends = _token_ends(out)
         for i, s in enumerate(out.scheduled):
             r = s.request
             n = r.params.prompt_logprobs
@@ -261,9 +297,19 @@ class ModelRunner:
             if n is None or s.start >= end:
                 continue
             # hidden at position p predicts token p + 1
-            rows = hidden[layout.query_start[i]:layout.query_start[i] + end - s.start]
+            first = ends[i] - s.num_new_tokens
+            rows = hidden[first:first + end - s.start]
             lp = torch.log_softmax(self.model.compute_logits(rows), dim=-1).cpu()
             nxt = torch.tensor(r.prompt_token_ids[s.start + 1:end + 1])
             res[r.request_id] = gather_logprobs(lp, nxt, [n] * len(nxt))
         return res
 
+
+
+def _token_ends(out: SchedulerOutput) -> list[int]:
+    """Where each scheduled request's tokens end in the step's flat batch (exclusive)."""
+    ends, at = [], 0
+    for s in out.scheduled:
+        at += s.num_new_tokens
+        ends.append(at)
+    return ends

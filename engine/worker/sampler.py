@@ -32,6 +32,8 @@ class SampleRow:
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]
     """Token ids min_tokens holds back: EOS (unless ignore_eos) and stop_token_ids."""
+    request_id: str = ""
+    """Whose row it is (a verified row has one per position)."""
 
 
 @dataclass

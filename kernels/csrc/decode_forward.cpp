@@ -11,11 +11,14 @@
 // and run quant_linear.cpp's panel functions (the fp32 path's order of arithmetic).
 //
 // Stack is one call's set-up (the shared activations, who takes which rows); Member::layer is one
-// member's step through a layer (Member::attend its attention); decode_forward runs the team.
+// member's step through a layer (Member::store_kv its RoPE and K/V store, Member::attend its
+// attention); decode_forward runs the team. A speculative row's 1 + k positions come as 1 + k
+// rows of one sequence (the same block table, context lengths one apart), so every member stores
+// its rows' K/V before any member attends.
 //
 // Why: a layer-by-layer step hands work to the threads ~150 times, with Python between, and each
 // hand-off to a sleeping worker costs tens to hundreds of microseconds; here the team is woken
-// once and meets at 7 spin barriers a layer (at batch 64, each thread waits ~1.8 ms a step at
+// once and meets at 8 spin barriers a layer (at batch 64, each thread waits ~1.8 ms a step at
 // them in all, mostly for the other to finish its share). An earlier form gave each thread its own
 // run of sequences through all layers, with no barriers; but then each thread streamed all the
 // weights:
@@ -234,6 +237,8 @@ class Member {
     }
     gemm(a_.x, lin[0], s_.qkv);
     sync();
+    if (an_ > 0) store_kv(l);
+    sync();  // a verified row's positions may be split between members: all K/V stored first
     if (an_ > 0) attend(l);
     sync();
     gemm(s_.attn, lin[1], s_.o);
@@ -252,12 +257,16 @@ class Member {
     sync();
   }
 
-  // RoPE, the K/V store and attention for this member's sequences, into their rows of attn.
+  // RoPE and the K/V store for this member's rows.
+  void store_kv(int64_t l) {
+    rope_store_kv_(rows(s_.qkv, a0_, an_), rows(a_.positions, a0_, an_), a_.cos, a_.sin_signed,
+                   a_.kv_caches[l], rows(a_.slots, a0_, an_), a_.num_heads, a_.num_kv_heads);
+  }
+
+  // Attention for this member's rows (their queries rotated by store_kv), into their rows of attn.
   void attend(int64_t l) {
     const int64_t a0 = a0_, an = an_, H = a_.num_heads;
     const at::Tensor mine = rows(s_.qkv, a0, an);
-    rope_store_kv_(mine, rows(a_.positions, a0, an), a_.cos, a_.sin_signed, a_.kv_caches[l],
-                   rows(a_.slots, a0, an), H, a_.num_kv_heads);
     const at::Tensor q = mine.view({an, H + 2 * a_.num_kv_heads, s_.D}).narrow(1, 0, H);
     const at::Tensor tables = rows(a_.block_tables, a0, an), lens = rows(a_.context_lens, a0, an);
     const at::Tensor out =

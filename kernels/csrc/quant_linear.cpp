@@ -18,8 +18,9 @@
 // fp32 tiles take, with no transpose.
 //
 // Two ways through, chosen by the batch (both give the same bits):
-//   - up to kFusedRows rows of x: decode a k's 16 weights into registers and take them straight
-//     to the rows' accumulators (kFusedPanels panels at once, so the FMA chains overlap);
+//   - up to kRegRows (2 x kFusedRows) rows of x: decode a k's 16 weights into registers and take
+//     them straight to the rows' accumulators (kFusedPanels panels at once up to kFusedRows rows,
+//     fewer past it, so the FMA chains overlap and the accumulators stay in registers);
 //   - more rows: decode up to 3 panels into an fp32 buffer laid out as pack_linear_weight's and
 //     run the fp32 path's tiles (linear_panels) over it: each weight decoded once per call.
 #include "ops.h"
@@ -206,23 +207,32 @@ void fused_tile(Rows rows[NPAN], int64_t p, int64_t K, const float* x, int64_t l
   }
 }
 
+// Up to kRegRows rows of x go through the registers in one pass over the weights: past
+// kFusedRows, fewer panels at once, so the accumulators (R x panels vectors) still fit.
+constexpr int kRegRows = 2 * kFusedRows;
+template <int R>
+constexpr int kPanelsFor = R <= kFusedRows ? kFusedPanels
+                                           : std::max(1, kFusedPanels * kFusedRows / R);
+
 template <int R, class Rows>
 void fused_rows(Rows proto, int64_t K, const float* x, int64_t lda, const float* bias, float* y,
                 int64_t ldy, int64_t N, int64_t p0, int64_t p1) {
-  Rows rows[kFusedPanels];
+  constexpr int NPAN = kPanelsFor<R>;
+  Rows rows[NPAN];
   for (auto& r : rows) r = proto;
   int64_t p = p0;
-  for (; p + kFusedPanels <= p1; p += kFusedPanels)
-    fused_tile<R, kFusedPanels>(rows, p, K, x, lda, bias, y, ldy, N);
+  for (; p + NPAN <= p1; p += NPAN) fused_tile<R, NPAN>(rows, p, K, x, lda, bias, y, ldy, N);
   for (; p < p1; ++p) fused_tile<R, 1>(rows, p, K, x, lda, bias, y, ldy, N);
 }
 
 // Panels [p0, p1) of y [M, N] (row stride ldy) from x [M, K] (row stride lda), + bias (whole
-// panels long) where given.
+// panels long) where given. Up to kRegRows rows (a decode batch, or a speculative row's 1 + k
+// positions): one pass from the registers; more: the panels decoded into a buffer for the fp32
+// tiles (the same products in the same order either way).
 template <class Rows>
 void panels(Rows proto, int64_t K, const float* x, int64_t lda, const float* bias, float* y,
             int64_t ldy, int64_t M, int64_t N, int64_t p0, int64_t p1) {
-  if (M > kFusedRows) {
+  if (M > kRegRows) {
     constexpr int64_t kGroupPanels = 3;  // the wide tiles' width (tile.h)
     std::vector<float> buf(kGroupPanels * K * kP);
     for (int64_t p = p0; p < p1; p += kGroupPanels) {
@@ -233,19 +243,21 @@ void panels(Rows proto, int64_t K, const float* x, int64_t lda, const float* bia
     }
     return;
   }
-  for (int64_t m = 0; m < M; m += kFusedRows) {
-    const float* xm = x + m * lda;
-    float* ym = y + m * ldy;
-    switch (std::min<int64_t>(kFusedRows, M - m)) {
+  switch (M) {
 #if defined(__AVX512F__)
-      case 4: fused_rows<4>(proto, K, xm, lda, bias, ym, ldy, N, p0, p1); break;
-      case 3: fused_rows<3>(proto, K, xm, lda, bias, ym, ldy, N, p0, p1); break;
+    case 8: fused_rows<8>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
+    case 7: fused_rows<7>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
+    case 6: fused_rows<6>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
+    case 5: fused_rows<5>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
 #endif
 #if defined(__AVX2__)
-      case 2: fused_rows<2>(proto, K, xm, lda, bias, ym, ldy, N, p0, p1); break;
+    case 4: fused_rows<4>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
+    case 3: fused_rows<3>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
+    case 2: fused_rows<2>(proto, K, x, lda, bias, y, ldy, N, p0, p1); break;
 #endif
-      default: fused_rows<1>(proto, K, xm, lda, bias, ym, ldy, N, p0, p1);
-    }
+    default:  // 1 row, or the scalar build: row by row
+      for (int64_t m = 0; m < M; ++m)
+        fused_rows<1>(proto, K, x + m * lda, lda, bias, y + m * ldy, ldy, N, p0, p1);
   }
 }
 

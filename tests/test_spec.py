@@ -1,0 +1,301 @@
+"""Speculative decoding (engine/spec/): proposals verified in the step give the tokens, logprobs
+and stops of decoding without them; sampled rows keep their distribution; rejected positions never
+reach the prefix cache; bad configs stop start-up with one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tierserve.engine import LLM
+from tierserve.engine.core.block_pool import BlockPool
+from tierserve.engine.core.request import Request, RequestId
+from tierserve.engine.core.scheduler import Scheduler
+from tierserve.engine.config import SchedulerConfig
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.spec.config import SpeculativeConfig
+from tierserve.engine.spec.ngram import NgramProposer
+from tierserve.engine.spec.verify import accepted_prefix, kept_tokens
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 4}
+ENGINE = dict(kv_cache_memory_bytes=1 << 30, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    return LLM(speculative_config=NGRAM, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(corpus_ids) -> list[list[int]]:
+    """Prompts whose continuation copies from themselves: a passage, then its start again."""
+    return [corpus_ids[s:s + n] + corpus_ids[s:s + 8] for s, n in ((0, 120), (400, 300), (900, 60))]
+
+
+def _run(llm: LLM, prompts, params) -> list:
+    return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, words", [
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "unknown method 'medusa'"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+     '"prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
+    ('{"method": "ngram"', "not valid JSON"),
+])
+def test_bad_config_is_one_line(value, words):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.parse(value)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_config_stops_the_server_config():
+    from tierserve.server.config import load_config
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        load_config(None, {"speculative_config": '{"method": "ngram", "num_speculative_tokens": -1}'},
+                    environ={})
+    cfg = load_config(None, {"speculative_config": NGRAM}, environ={})  # a YAML mapping
+    assert SpeculativeConfig.parse(cfg.speculative_config).num_speculative_tokens == 4
+
+
+# ---- the parts ----------------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]
+    assert p.propose([7, 1, 2, 8, 1, 2, 9, 6, 1, 2], 3) == [9, 6, 1]  # the latest match wins
+    assert p.propose([1, 2, 3], 4) == []
+    assert NgramProposer(2, 3).propose([5, 1, 7, 1], 2) == []  # only 1-grams would match
+
+
+def test_acceptance_keeps_the_confirmed_prefix_and_the_target_draw():
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert kept_tokens([4, 5, 6], [4, 5, 7, 8]) == [4, 5, 7]
+    assert kept_tokens([4, 5, 6], [4, 5, 6, 8]) == [4, 5, 6, 8]
+    assert kept_tokens([4, 5, 6], [9, 5, 6, 8]) == [9]
+
+
+def test_scheduler_reserves_proposals_and_rolls_back_rejected_ones():
+    pool = BlockPool(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), pool,
+                      lambda r: b"")
+    req = Request(RequestId("a"), [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20), 20)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update(out, {req.request_id: [7]})  # prefill: 6 computed, 7 tokens
+    assert (req.num_computed_tokens, len(req.block_ids)) == (6, 2)
+    req.spec_token_ids = [8, 9, 10, 11, 12]
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.start, s.num_new_tokens, s.spec_token_ids, s.samples) == (6, 6, (8, 9, 10, 11, 12), True)
+    assert len(req.block_ids) == 3  # positions 6..11
+    free_before = pool.num_free
+    sched.update(out, {req.request_id: [8, 13]})  # one proposal accepted, then the target's 13
+    assert req.output_token_ids == [7, 8, 13] and req.spec_token_ids == []
+    assert req.num_computed_tokens == 8  # 7 and 8 computed; 13's KV comes next step
+    assert len(req.block_ids) == 2 and pool.num_free == free_before + 1
+    # only the full block of verified tokens is published: positions 4..7 = 5, 6, 7, 8
+    assert req.num_published_blocks == 2
+    assert pool.blocks[req.block_ids[1]].token_ids == (5, 6, 7, 8)
+
+
+def test_budget_trims_proposals():
+    pool = BlockPool(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=3, max_num_seqs=4), pool, lambda r: b"")
+    req = Request(RequestId("a"), [1, 2], SamplingParams(max_tokens=20), 20)
+    sched.add_request(req)
+    sched.update(sched.schedule(), {req.request_id: [3]})
+    req.spec_token_ids = [4, 5, 6, 7]
+    (s,) = sched.schedule().scheduled
+    assert s.spec_token_ids == (4, 5) and s.num_new_tokens == 3
+
+
+# ---- the engine: the same tokens --------------------------------------------------------------
+
+def test_greedy_tokens_equal_without_speculation(llm, spec_llm, copy_prompts, varied_prompts):
+    prompts = copy_prompts + varied_prompts[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in _run(llm, prompts, params)]
+    before = spec_llm.engine.spec_stats()
+    got = [o.token_ids for o in _run(spec_llm, prompts, params)]
+    assert got == want
+    stats = spec_llm.engine.spec_stats()
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    assert accepted >= 40, stats  # the copy prompts make proposals worth keeping
+
+
+def test_32_mixed_requests_served_together(llm, spec_llm, copy_prompts, corpus_ids):
+    prompts = [(copy_prompts[i % 3] if i % 2 else corpus_ids[50 * i:50 * i + 5 + 23 * i])
+               for i in range(32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + (i * 7) % 40, ignore_eos=True)
+              for i in range(32)]
+    want = [o.token_ids for o in _run(llm, prompts, params)]
+    assert [o.token_ids for o in _run(spec_llm, prompts, params)] == want
+
+
+def test_stops_lengths_and_logprobs_hold_at_accepted_positions(llm, spec_llm, copy_prompts):
+    tok = llm.get_tokenizer()
+    plain = _run(llm, copy_prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    # a stop string from inside each greedy output, and a length that ends inside a verified run
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, stop=[o.text[12:18]], logprobs=2)
+             for o in plain] + [SamplingParams(temperature=0.0, max_tokens=n, logprobs=1,
+                                               stop_token_ids=[plain[0].token_ids[9]])
+                                for n in (3, 7)]
+    prompts = copy_prompts + copy_prompts[:2]
+    for p, prompt in zip(cases, prompts):
+        (a,), (b,) = _run(llm, [prompt], p), _run(spec_llm, [prompt], p)
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+            (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+        assert [(x.token_id, x.rank, [t for t, _ in x.top]) for x in b.logprobs] == \
+            [(x.token_id, x.rank, [t for t, _ in x.top]) for x in a.logprobs]
+        assert all(math.isclose(x.logprob, y.logprob, abs_tol=1e-4)
+                   for x, y in zip(a.logprobs, b.logprobs))
+    assert tok.decode(plain[0].token_ids)
+
+
+def test_seeded_samples_are_the_same_tokens(llm, spec_llm, copy_prompts):
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=30,
+                             ignore_eos=True, repetition_penalty=1.05) for i in range(3)]
+    want = [o.token_ids for o in _run(llm, copy_prompts, params)]
+    assert [o.token_ids for o in _run(spec_llm, copy_prompts, params)] == want
+
+
+def test_rejected_positions_never_reach_the_prefix_cache(spec_llm, llm, copy_prompts):
+    """A verified request's published blocks are reused by a later request: what that request
+    generates equals a cold run's tokens, so the cached KV is the verified tokens' KV."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    (first,) = spec_llm.generate([copy_prompts[1]], params)
+    follow = copy_prompts[1] + list(first.outputs[0].token_ids)
+    (warm,) = spec_llm.generate([follow], SamplingParams(temperature=0.0, max_tokens=12,
+                                                          ignore_eos=True))
+    assert warm.num_cached_tokens >= len(copy_prompts[1]) + 32
+    cold = LLM(enable_prefix_caching=False, **ENGINE)
+    (ref,) = cold.generate([follow], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert warm.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_blocks_come_back_after_speculation(spec_llm, copy_prompts):
+    pool = spec_llm.engine.pool
+    free = pool.num_free
+    _run(spec_llm, copy_prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    assert pool.num_free == free and spec_llm.engine.num_tracked == 0
+
+
+def test_opt_out_proposes_nothing(spec_llm, copy_prompts):
+    from tierserve.engine.core.kv_hints import KVHints
+
+    before = spec_llm.engine.spec_stats().num_drafts
+    spec_llm.generate(copy_prompts, SamplingParams(temperature=0.0, max_tokens=20),
+                      kv_hints=KVHints(speculative=False))
+    assert spec_llm.engine.spec_stats().num_drafts == before
+
+
+# ---- sampled rows: the same distribution -----------------------------------------------------
+
+LETTERS = 4
+
+
+def _first_tokens(llm: LLM, prompt: list[int], ids: list[int], n: int) -> list[tuple[int, ...]]:
+    """Tokens 2..4 of n unseeded requests that may only write the ids (logit_bias)."""
+    bias = {t: 100.0 for t in ids}
+    params = SamplingParams(temperature=1.0, max_tokens=4, logit_bias=bias, ignore_eos=True)
+    return [tuple(o.outputs[0].token_ids[1:4]) for o in llm.generate([prompt] * n, params)]
+
+
+def _chi_square_p(a: list, b: list) -> float:
+    """p-value of Pearson's chi-square test that two samples of categories share one distribution
+    (categories seen fewer than 5 times in all are pooled)."""
+    import torch
+
+    counts = {c: (a.count(c), b.count(c)) for c in set(a) | set(b)}
+    rare = [c for c, (x, y) in counts.items() if x + y < 5]
+    table = [v for c, v in counts.items() if c not in rare]
+    if rare:
+        table.append((sum(counts[c][0] for c in rare), sum(counts[c][1] for c in rare)))
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in table:
+        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = len(table) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def letters(llm) -> tuple[list[int], list[int]]:
+    """A prompt that repeats a cycle of LETTERS tokens (so n-grams propose its continuation)."""
+    ids = [llm.get_tokenizer().encode(c, add_special_tokens=False)[0] for c in " a b c d".split(" ")[1:]]
+    assert len(set(ids)) == LETTERS
+    return (ids * 12)[:-1], ids
+
+
+def test_sampled_distribution_is_the_same(llm, spec_llm, letters):
+    prompt, ids = letters
+    n = 300
+    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n)]
+    before = spec_llm.engine.spec_stats()
+    spec = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n)]
+    after = spec_llm.engine.spec_stats()
+    assert after.num_draft_tokens - before.num_draft_tokens >= n  # proposals were verified
+    assert _chi_square_p(plain, spec) > 0.01
+
+
+def test_a_wrong_acceptance_rule_is_caught(llm, spec_llm, letters):
+    """Keeping the first proposal unverified (a plausible bug) shifts the distribution far
+    enough for the same test to see it."""
+    prompt, ids = letters
+    n = 300
+    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n)]
+    runner = spec_llm.engine.runner
+    runner.accept = lambda proposals, draws: max(1, accepted_prefix(proposals, draws))
+    try:
+        wrong = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n)]
+    finally:
+        runner.accept = accepted_prefix
+    assert _chi_square_p(plain, wrong) < 0.01
+
+
+# ---- the draft model ------------------------------------------------------------------------------
+
+def test_embedded_model_as_its_own_draft_accepts_everything(llm, copy_prompts, varied_prompts):
+    draft = LLM(speculative_config={"method": "draft_model", "model": "smollm2-135m",
+                                    "num_speculative_tokens": 3}, **ENGINE)
+    prompts = copy_prompts[:2] + varied_prompts[3:6]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in _run(llm, prompts, params)]
+    assert [o.token_ids for o in _run(draft, prompts, params)] == want
+    s = draft.engine.spec_stats()
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens >= 0.97 * s.num_draft_tokens, s
+    assert draft.engine.speculator.proposer.pool.num_free == draft.engine.speculator.proposer.pool.num_blocks
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    import shutil
+
+    import torch
+    import transformers
+
+    from tierserve.engine.worker.loaders import load_model_source
+
+    src = load_model_source("smollm2-135m")
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    src.tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match="another vocabulary") as e:
+        LLM(speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": 2}, **ENGINE)
+    assert "\n" not in str(e.value)
+    shutil.rmtree(tmp_path)
