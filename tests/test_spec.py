@@ -299,3 +299,51 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
                                 "num_speculative_tokens": 2}, **ENGINE)
     assert "\n" not in str(e.value)
     shutil.rmtree(tmp_path)
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+def test_server_header_metrics_and_stream(tmp_path, copy_prompts, llm):
+    import httpx
+    import openai
+
+    from server_fixtures import run_server, scrape
+
+    prompt = llm.get_tokenizer().decode(copy_prompts[1])
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    with run_server(tmp_path, "--speculative-config", json.dumps(NGRAM)) as srv:
+        assert httpx.get(srv.base_url + "/v1/backends", timeout=10).json()["speculative"] == \
+            "ngram k=4 lookup 1..4"
+        bad = httpx.post(srv.base_url + "/v1/completions", headers={"X-Speculative": "maybe"},
+                         json=body, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Speculative"
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
+
+        def drafts() -> float:
+            return scrape(srv).get("vllm:spec_decode_num_drafts_total", 0.0)
+
+        before = drafts()
+        off = client.completions.create(**body, extra_headers={"X-Speculative": "off"})
+        assert drafts() == before
+        stream = client.completions.create(**body, stream=True)
+        text = "".join(c.choices[0].text for c in stream)
+        assert text == off.choices[0].text  # greedy: the same text either way
+        m = scrape(srv)
+        assert m["vllm:spec_decode_num_drafts_total"] > before
+        assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= \
+            m["vllm:spec_decode_num_draft_tokens_total"]
+        assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] >= \
+            m["vllm:spec_decode_num_accepted_tokens_per_pos_total{position=3}"]
+
+
+def test_header_on_without_speculation_is_400(tmp_path):
+    import httpx
+
+    from server_fixtures import run_server
+
+    with run_server(tmp_path) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", headers={"X-Speculative": "on"},
+                       json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "X-Speculative" and "--speculative-config" in err["message"]

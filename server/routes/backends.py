@@ -24,4 +24,5 @@ async def backends(request: Request) -> dict:
             "quantization": {"mode": info.quantization, "kernels": dict(info.quant_kernels),
                              "weight_bytes": info.weight_bytes},
             "sparse_decode": {**dataclasses.asdict(sparse), "active": sparse.active},
+            "speculative": info.speculative,
             **{phase: r.to_json() for phase, r in info.routes.items()}}
