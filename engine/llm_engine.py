@@ -238,8 +238,12 @@ class LLMEngine:
                 sparse.enabled and req.hints.sparse_attention is not False
                 and req.num_tokens + k >= sparse.min_context)
 
-        log.info("speculative decoding: %s", spec.describe())
-        return Speculator(spec, make_proposer(spec, draft_proposer), self.max_model_len,
+        rows = spec.compute_bound_batch
+        if rows is None:  # what the quantized kernels take from registers; a GPU: not measured
+            rows = 64 if self.device_choice.type == "cuda" else 8 if cpu_has("avx512f") else 4
+        log.info("speculative decoding: %s; proposals fill a step up to %s rows", spec.describe(),
+                 rows or "any number of")
+        return Speculator(spec, make_proposer(spec, draft_proposer), self.max_model_len, rows,
                           may_speculate)
 
     def _connector(self, tiers: TierConfig | None):

@@ -20,7 +20,8 @@ from tierserve.engine.spec.ngram import NgramProposer
 from tierserve.engine.spec.verify import accepted_prefix, kept_tokens
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 4}
+         "prompt_lookup_max": 4, "compute_bound_batch": 0}
+"""Every decode may speculate whatever the batch (the tests check batches full of verified rows)."""
 ENGINE = dict(kv_cache_memory_bytes=1 << 30, quantization="none")
 
 
@@ -118,6 +119,63 @@ def test_budget_trims_proposals():
     assert s.spec_token_ids == (4, 5) and s.num_new_tokens == 3
 
 
+class _Fixed:
+    """A proposer that proposes k copies of token 7 for every request."""
+
+    def propose(self, rows):
+        return {req.request_id: [7] * k for req, k in rows}
+
+    def release(self, request_id):
+        pass
+
+
+def _decoding(n: int) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        r = Request(RequestId(str(i)), [1, 2, 3], SamplingParams(max_tokens=50), 50)
+        r.output_token_ids, r.num_computed_tokens = [4], 3
+        reqs.append(r)
+    return reqs
+
+
+def test_proposals_fill_the_step_up_to_the_row_budget():
+    from tierserve.engine.spec.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", 4), _Fixed(), 1000, row_budget=8)
+    one = _decoding(1)
+    spec.propose(one)
+    assert one[0].spec_token_ids == [7] * 4
+    three = _decoding(3)
+    spec.propose(three)
+    assert sorted(len(r.spec_token_ids) for r in three) == [0, 1, 4]  # 3 decodes + 5
+    full = _decoding(8)
+    spec.propose(full)
+    assert all(r.spec_token_ids == [] for r in full)  # a compute-bound batch proposes nothing
+
+
+def test_a_failing_request_holds_off_and_tries_again():
+    from tierserve.engine.spec.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", 4), _Fixed(), 1000, row_budget=0)
+    (req,) = _decoding(1)
+    waits = []
+    for failures in (4, 1, 1):  # the rate 1 -> 0.7 -> ... -> 0.24: a hold of 2; then 4, then 8
+        for _ in range(failures):
+            spec.observe(req.request_id, 4, 0)
+        n = 0
+        while spec.propose([req]) or not req.spec_token_ids:
+            n += 1
+        waits.append(n)
+    assert waits == [2, 4, 8]
+    spec.observe(req.request_id, 4, 4)  # a good verification ends the back-off: 0.51
+    spec.observe(req.request_id, 4, 0)  # 0.357
+    spec.observe(req.request_id, 4, 0)  # 0.25: held again, from 2 steps
+    n = 0
+    while spec.propose([req]) or not req.spec_token_ids:
+        n += 1
+    assert n == 2
+
+
 # ---- the engine: the same tokens --------------------------------------------------------------
 
 def test_greedy_tokens_equal_without_speculation(llm, spec_llm, copy_prompts, varied_prompts):
@@ -138,7 +196,9 @@ def test_32_mixed_requests_served_together(llm, spec_llm, copy_prompts, corpus_i
     params = [SamplingParams(temperature=0.0, max_tokens=8 + (i * 7) % 40, ignore_eos=True)
               for i in range(32)]
     want = [o.token_ids for o in _run(llm, prompts, params)]
+    before = spec_llm.engine.spec_stats().num_drafts
     assert [o.token_ids for o in _run(spec_llm, prompts, params)] == want
+    assert spec_llm.engine.spec_stats().num_drafts - before >= 32
 
 
 def test_stops_lengths_and_logprobs_hold_at_accepted_positions(llm, spec_llm, copy_prompts):

@@ -29,11 +29,14 @@ class SpeculativeConfig:
     """draft_model: the draft (an embedded alias, a .gguf file or a Hugging Face directory) with
     the target's vocabulary; its KV cache takes its share of the same memory budget."""
     acceptance_floor: float = 0.3
-    """A request stops proposing while its acceptance rate (a moving average of accepted / proposed)
-    stays under this and the batch is compute-bound (compute_bound_batch decode rows or more)."""
-    compute_bound_batch: int = 8
-    """Decode rows from which a step costs about as much per token as it gains from speculation
-    (measured on a 2-core CPU: bench/speculative.py); 0 never stops a request proposing."""
+    """A request whose acceptance rate (a moving average of accepted / proposed) falls under this
+    stops proposing for a while (2, 4, 8, ... up to 64 steps; then it tries again)."""
+    compute_bound_batch: int | None = None
+    """Rows (decodes plus proposals) a step may hold before it is compute-bound: proposals fill
+    the batch up to it, the best-accepting requests first, and a batch of this many decodes
+    proposes nothing. None: measured per device (8 on a CPU with AVX-512, 4 with AVX2: the rows
+    the quantized kernels take from registers in one pass over the weights; 64 on CUDA, not yet
+    measured); 0: no limit."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,7 +56,7 @@ class SpeculativeConfig:
                              "path or alias)")
         if not 0 <= self.acceptance_floor <= 1:
             raise ValueError("speculative_config: acceptance_floor must be in [0, 1]")
-        if self.compute_bound_batch < 0:
+        if self.compute_bound_batch is not None and self.compute_bound_batch < 0:
             raise ValueError("speculative_config: compute_bound_batch must be >= 0")
 
     @classmethod

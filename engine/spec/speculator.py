@@ -7,10 +7,13 @@ structured-output grammar, no sparse decode for the row, room left under max_tok
 The scheduler verifies them in the step (a row of 1 + k query tokens), the runner keeps the
 confirmed prefix (engine/spec/verify.py), and `observe` counts the outcome.
 
-Adaptive: a request's acceptance rate is a moving average of accepted / proposed. While it stays
-under acceptance_floor and the step has compute_bound_batch decode rows or more (where a verified
-token costs about what a decoded one does, so rejected proposals are a loss), the request stops
-proposing; below that batch size a verify row costs little more than a decode, and it proposes.
+Adaptive, so speculation does not make a batch slower: a step is memory-bound up to
+`row_budget` rows (decodes plus proposals: the weights are read once for all of them) and
+compute-bound past it (each row costs about what it yields). Proposals fill the step up to the
+budget, the requests with the best acceptance rate first, so a batch of `row_budget` decodes or
+more proposes nothing. A request whose acceptance rate (a moving average of accepted / proposed)
+falls under acceptance_floor holds off for 2 steps, then 4, 8, ... up to 64 while it keeps
+failing; one good verification resets it (an answer may paraphrase first and copy later).
 """
 
 from __future__ import annotations
@@ -70,35 +73,50 @@ class SpecStats:
                          list(self.accepted_per_pos))
 
 
+MAX_HOLD = 64
+"""Most steps a request with a low acceptance rate waits before it proposes again."""
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
-                 may_speculate: Callable[[Request], bool] = lambda req: True):
+                 row_budget: int, may_speculate: Callable[[Request], bool] = lambda req: True):
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.row_budget = row_budget
+        """Rows a step may hold before it is compute-bound (0: no limit)."""
         self.may_speculate = may_speculate
         """The engine's per-request check (no grammar, no sparse decode for the row)."""
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._rate: dict[RequestId, float] = {}
+        self._hold: dict[RequestId, tuple[int, int]] = {}
+        """Requests holding off: (steps left, the hold's length)."""
 
     def propose(self, running: list[Request]) -> None:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        bound = 0 < self.config.compute_bound_batch <= len(decodes)
-        rows = []
         for req in decodes:
             req.spec_token_ids = []
-            if bound and self._rate.get(req.request_id, 1.0) < self.config.acceptance_floor:
-                continue
-            k = min(self.config.num_speculative_tokens,
+        budget = (self.row_budget - len(decodes)) if self.row_budget else 1 << 30
+        rows = []
+        for req in sorted(decodes, key=lambda r: -self._rate.get(r.request_id, 1.0)):
+            k = min(self.config.num_speculative_tokens, budget,
                     req.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)
-            if k >= 1 and req.hints.speculative is not False and self.may_speculate(req):
+            if k >= 1 and not self._holding(req.request_id) and \
+                    req.hints.speculative is not False and self.may_speculate(req):
                 rows.append((req, k))
+                budget -= k
         if not rows:
             return
         by_id = {req.request_id: req for req, _ in rows}
         for rid, tokens in self.proposer.propose(rows).items():
             by_id[rid].spec_token_ids = tokens
+
+    def _holding(self, rid: RequestId) -> bool:
+        left, length = self._hold.get(rid, (0, 0))
+        if left > 0:
+            self._hold[rid] = (left - 1, length)
+        return left > 0
 
     def observe(self, request_id: RequestId, proposed: int, accepted: int) -> None:
         """A verified row: `accepted` of its `proposed` tokens kept."""
@@ -108,11 +126,18 @@ class Speculator:
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_pos[i] += 1
-        old = self._rate.get(request_id, 1.0)
-        self._rate[request_id] = (1 - EWMA) * old + EWMA * accepted / proposed
+        rate = (1 - EWMA) * self._rate.get(request_id, 1.0) + EWMA * accepted / proposed
+        self._rate[request_id] = rate
+        if rate < self.config.acceptance_floor:
+            length = min(MAX_HOLD, 2 * self._hold.get(request_id, (0, 1))[1])
+            self._hold[request_id] = (length, length)
+            self._rate[request_id] = self.config.acceptance_floor  # its next try starts afresh
+        elif accepted:
+            self._hold.pop(request_id, None)
 
     def finished(self, request_id: RequestId) -> None:
         self._rate.pop(request_id, None)
+        self._hold.pop(request_id, None)
         self.proposer.release(request_id)
 
 
