@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -236,7 +237,7 @@ def main() -> None:
                 log(warnings[-1])
 
     title = f"{cpu_name()}, {os.cpu_count()} cores; {args.model}, quantization {args.quantization}"
-    print(f"\n{title}\n\n    " + " ".join(["python bench/speculative.py"] + sys.argv[1:]) + "\n")
+    print(f"\n{title}\n\n    " + shlex.join(["python", "bench/speculative.py"] + sys.argv[1:]) + "\n")
     for streams in (1, args.streams):
         print(f"## {streams} stream{'s' if streams > 1 else ''}, max_tokens {args.max_tokens}"
               + (f" ({args.requests} requests one at a time)\n" if streams == 1 else "\n"))

@@ -211,12 +211,14 @@ class LLMEngine:
                              f"({target.config.vocab_size}); a draft must share the tokenizer")
         return draft
 
-    def _speculator(self, spec: SpeculativeConfig | None, draft, num_blocks: int) -> Speculator | None:
+    def _speculator(self, spec: SpeculativeConfig | None, draft,
+                    num_blocks: int) -> Speculator | None:
         if spec is None:
             return None
 
         def draft_proposer() -> DraftModelProposer:
-            mode = "auto" if self.config.quantization in ("auto", "gguf") else self.config.quantization
+            mode = self.config.quantization
+            mode = "auto" if mode in ("auto", "gguf") else mode
             native = self.device_choice.type == "cpu" and fused_ops() is not None
             cfg = dataclasses.replace(
                 self.config, model=spec.model, speculative_config=None, kv_tiers=None,

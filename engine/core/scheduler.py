@@ -93,7 +93,7 @@ def _class_rank(req: Request) -> int:
 
 
 def _phase(s: ScheduledRequest) -> int:
-    """Step order: decodes, then verified decodes (their rows are decode rows too), then prefills."""
+    """Step order: decodes, verified decodes (their rows are decode rows too), prefills."""
     if s.num_new_tokens == 1:
         return 0
     return 1 if s.spec_token_ids and s.num_request_tokens == 1 else 2

@@ -87,7 +87,8 @@ class DraftModelProposer:
                                               start + n == seq.num_tokens))
                 budget -= n
             batch.sort(key=lambda s: s.num_new_tokens != 1)
-            res = self.runner.execute(SchedulerOutput(tuple(batch), self.max_batched_tokens - budget))
+            res = self.runner.execute(SchedulerOutput(tuple(batch),
+                                                      self.max_batched_tokens - budget))
             for s in batch:
                 s.request.num_computed_tokens = s.start + s.num_new_tokens
             done = {s.request.request_id for s in batch if s.samples}

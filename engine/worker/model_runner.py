@@ -83,6 +83,7 @@ class ModelRunner:
         self.model.use_native_ops(self.native)  # also packs the linear weights for their kernel
         self.sampler = Sampler(config.seed, argmax=self.native.argmax_rows if self.native else None)
         self.eos_ids = tuple(model_cfg.eos_token_ids)
+        self._said_verify_mode = False
         self.accept: AcceptRule = accepted_prefix
         """Speculative decoding's acceptance rule (engine/spec/verify.py)."""
         self._uploaded = upload_event(self.device)
@@ -227,6 +228,8 @@ class ModelRunner:
         plan = self.sparse.prepare(tuple(s for s, _, _ in query_rows(out.scheduled)), layout,
                                    self.buffers)
         replay = self.graphs is not None and self.graphs.can_replay(layout)
+        if self.graphs is not None and not self._said_verify_mode:
+            self._say_verify_mode(out, layout, replay)
         inputs = (self.graphs.upload(layout, self.buffers, plan) if replay
                   else self._upload(out, layout, plan))
         self._uploaded.record()  # after every copy out of the pinned buffers
@@ -235,6 +238,15 @@ class ModelRunner:
         hidden = inputs.run()
         self.sparse.after_step(self.kv_caches, inputs.slots, plan)
         return hidden, layout, sample_rows, facts
+
+    def _say_verify_mode(self, out: SchedulerOutput, layout: BatchLayout, replay: bool) -> None:
+        """Log, once, how the first step with verified (speculative) rows ran under CUDA graphs."""
+        if any(s.spec_token_ids for s in out.scheduled):
+            self._said_verify_mode = True
+            log.info("speculative verification: a step of %d rows (%d decode rows) %s",
+                     layout.num_seqs, layout.num_decodes, "replayed a captured decode graph" if replay else
+                     "ran eagerly (no captured graph fits it: a prefill in the step, or more rows "
+                     "or a wider block table than any graph)")
 
     def _upload(self, out: SchedulerOutput, layout: BatchLayout,
                 plan: SparseStep | None) -> StepInputs:
