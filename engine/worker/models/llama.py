@@ -17,7 +17,13 @@ from tierserve.engine.worker.models.layers import (Linear, RMSNorm, RotaryEmbedd
 from tierserve.kernels.context import get_forward_context
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Attention(nn.Module):
+    reduce = staticmethod(_same)
+    """Tensor parallel: the all-reduce of o_proj's partial sums (row-parallel); else identity."""
     ops = None
     """The native extension on CPU fp32 (see RMSNorm); rope_store_kv_ then rotates q/k in place
     and stores K/V in one pass, where the cache is a plain fp32 one."""
@@ -50,12 +56,14 @@ class Attention(nn.Module):
             ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
         sparse = ctx.sparse
         if sparse is not None and sparse.applies(self.layer):
-            return self.o_proj(ctx.backend.forward_sparse(q, k, v, cache, ctx.metadata, sparse,
-                                                          self.layer))
-        return self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata))
+            return self.reduce(self.o_proj(ctx.backend.forward_sparse(q, k, v, cache, ctx.metadata,
+                                                                      sparse, self.layer)))
+        return self.reduce(self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata)))
 
 
 class MLP(nn.Module):
+    reduce = staticmethod(_same)
+    """Tensor parallel: the all-reduce of down_proj's partial sums (row-parallel); else identity."""
     ops = None
 
     def __init__(self, cfg: ModelConfig):
@@ -65,9 +73,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+            return self.reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -106,9 +114,13 @@ class LlamaForCausalLM(nn.Module):
         self._stack: list[torch.Tensor] | None = None
         """Every layer's weights in decode_forward's order, when the one-call path applies."""
 
+    tp = None
+    """Tensor parallel (engine/worker/tensor_parallel.py's Shard), or None: this rank holds a
+    slice of the vocabulary in the embedding and the LM head."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self._embed(input_ids), None
         decode = self._stack_decode(x.shape[0])
         if decode is not None:
             return self._decode_in_one_call(x, positions, decode)
@@ -118,7 +130,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that are sampled: [N, hidden] -> [N, vocab] fp32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        return self.tp.embed(input_ids, self.embed_tokens.weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up."""
