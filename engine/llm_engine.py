@@ -24,6 +24,7 @@ from tierserve.engine.core.kv_hints import NO_HINTS, KVHints
 from tierserve.engine.kv_tiers.config import TierConfig, describe_tiers
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.worker.model_runner import ModelRunner
+from tierserve.engine.worker.tensor_parallel import TPExecutor, check_shardable
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
 from tierserve.engine.core.request import Request, RequestId, RequestStatus
 from tierserve.engine.worker.sampler import TopLogprobs
@@ -106,8 +107,12 @@ class LLMEngine:
                                      dtype=self.dtype_choice.dtype)
         log.info("device: %s (%s); dtype: %s (%s)", config.device, self.device_choice.reason,
                  config.dtype, self.dtype_choice.reason)
+        if config.tensor_parallel_size > 1:
+            config = _tensor_parallel_config(config)
         self.config = config
         src = load_model_source(config.model)
+        if config.tensor_parallel_size > 1:
+            check_shardable(src.config, config.tensor_parallel_size)
         native = (config.quantization == "auto" and self.device_choice.type == "cpu"
                   and fused_ops() is not None)
         config = dataclasses.replace(config, quantization=resolve_quantization(
@@ -148,9 +153,15 @@ class LLMEngine:
                                        config.kv_cache_scale, bs, src.config.num_layers,
                                        *(("quantization", config.quantization)
                                          if config.quantization != "none" else ()),
-                                       *(("prefill_bf16",) if config.prefill_bf16 else ()))
-        self.runner = ModelRunner(config, src.config, src.weights, num_blocks, self.max_model_len,
-                                  src.blocks)
+                                       *(("prefill_bf16",) if config.prefill_bf16 else ()),
+                                       *(("tp", config.tensor_parallel_size)
+                                         if config.tensor_parallel_size > 1 else ()))
+        if config.tensor_parallel_size > 1:  # each rank loads its own shard
+            self.runner = TPExecutor(config, src.config, num_blocks, self.max_model_len,
+                                     config.tensor_parallel_size, self.num_threads)
+        else:
+            self.runner = ModelRunner(config, src.config, src.weights, num_blocks,
+                                      self.max_model_len, src.blocks)
         if self.runner.quant_kinds:
             log.info("quantization %s: %s; weights %.0f MiB", config.quantization,
                      ", ".join(f"{k}: {v}" for k, v in self.runner.quant_kinds.items()),
@@ -277,8 +288,11 @@ class LLMEngine:
                          if self.config.speculative_config is not None else None))
 
     def close(self) -> None:
-        """Stop the tier threads (queued writes finish first, for a few seconds at most)."""
+        """Stop the tier threads (queued writes finish first, for a few seconds at most) and
+        the tensor-parallel workers."""
         self.kv_worker.close()
+        if isinstance(self.runner, TPExecutor):
+            self.runner.close()
         if self._grammars is not None:
             self._grammars.compiler.close()
 
@@ -522,6 +536,32 @@ def _check_salt(salt: str | None) -> None:
     except UnicodeEncodeError:
         raise ParamError("cache_salt", "cache_salt must be valid Unicode (it holds a lone "
                          "surrogate)") from None
+
+
+def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
+    """The settings tensor parallel runs with, or a one-line ValueError for what it cannot run
+    yet (docs/parallel.md)."""
+    size = config.tensor_parallel_size
+    refused = [name for name, on in (
+        ("sparse decode", config.sparse.enabled), ("cuda_graphs", config.cuda_graphs),
+        ("prefill_bf16", config.prefill_bf16),
+        ("a draft model", config.speculative_config is not None
+         and config.speculative_config.method == "draft_model"),
+        (f"quantization {config.quantization}", config.quantization not in ("auto", "none")),
+    ) if on]
+    if refused:
+        raise ValueError(f"tensor_parallel_size {size} does not run with {', '.join(refused)} "
+                         "yet (docs/parallel.md)")
+    if config.device.startswith("cuda") and size > torch_cuda_count():
+        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; "
+                         f"{torch_cuda_count()} visible")
+    return dataclasses.replace(config, quantization="none")
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool,

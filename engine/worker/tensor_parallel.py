@@ -1,0 +1,500 @@
+"""Tensor parallel: one worker process per rank, joined by torch.distributed (gloo on the CPU,
+nccl on CUDA), each holding a Megatron-style shard of the model and of the KV cache.
+
+    main process                         rank r of N (a spawned process)
+    scheduler, tokenizer, tiers,         ModelRunner over the shard: its heads' KV cache, its own
+    server; TPExecutor (the runner's     attention route; all-reduce after o_proj and down_proj,
+    face) -- one StepMessage a step -->  vocab-parallel embedding (all-reduce) and LM head (all-
+                                         gather), so every rank has the logits and samples the
+                  <-- rank 0's StepResult same tokens; rank 0's go back
+
+Sharding at load (shard_model): q/k/v by heads (column-parallel; KV heads with the query heads
+that read them, replicated when N exceeds the KV heads), o_proj by its input columns (row-
+parallel), gate/up by rows, down by columns, embedding and LM head by vocabulary rows (padded to
+a multiple of N). The scheduler's block tables and prefix cache are one for all ranks: a block id
+means the same positions in every rank's cache.
+
+The step message is compact and typed: per scheduled request its id, start, token count, block
+ids, proposals and the output tokens the workers have not seen (a request's prompt and sampling
+parameters go once, when it is first scheduled); finished requests are dropped by id. Workers keep
+a mirror Request per request id, which is all the runner reads.
+
+Faults: the executor waits for rank 0's answer while checking every process; a rank that exits
+(or reports an error) raises WorkerDied, which stops the engine loop; workers exit when their
+pipe closes, so none outlives the main process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+from multiprocessing.connection import Listener
+from dataclasses import dataclass
+
+import torch
+
+from tierserve.engine.config import EngineConfig, ModelConfig
+from tierserve.engine.core.request import Request, RequestId
+from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+"""How long the workers may take to load their shards."""
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel rank exited or failed: the engine cannot go on."""
+
+
+# ---- sharding -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which slice of each dimension rank `rank` of `size` holds."""
+
+    rank: int
+    size: int
+    cfg: ModelConfig
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        n = self.cfg.num_heads // self.size
+        return self.rank * n, n
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """This rank's KV heads: its share, or (N above the KV heads) the one its queries read."""
+        hkv = self.cfg.num_kv_heads
+        if self.size <= hkv:
+            n = hkv // self.size
+            return self.rank * n, n
+        return self.rank * hkv // self.size, 1
+
+    @property
+    def inter(self) -> tuple[int, int]:
+        n = self.cfg.intermediate_size // self.size
+        return self.rank * n, n
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        n = -(-self.cfg.vocab_size // self.size)
+        return self.rank * n, n
+
+    def local_config(self) -> ModelConfig:
+        return dataclasses.replace(self.cfg, num_heads=self.heads[1],
+                                   num_kv_heads=self.kv_heads[1],
+                                   intermediate_size=self.inter[1], vocab_size=self.vocab[1])
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """A one-line ValueError when the model's heads or widths do not split over `size` ranks."""
+    h, hkv, i = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    why = None
+    if h % size:
+        why = f"its {h} query heads do not divide by {size}"
+    elif size <= hkv and hkv % size:
+        why = f"its {hkv} KV heads do not divide by {size}"
+    elif size > hkv and size % hkv:
+        why = f"{size} ranks cannot share its {hkv} KV heads evenly (replication needs a multiple)"
+    elif i % size:
+        why = f"its MLP width {i} does not divide by {size}"
+    if why:
+        raise ValueError(f"tensor_parallel_size {size}: this model cannot be sharded: {why}")
+
+
+def shard_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
+                size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Rank `rank`'s config and HF-named weights (see the module docstring)."""
+    plan = ShardPlan(rank, size, cfg)
+    d = cfg.head_dim
+    (h0, hn), (k0, kn), (i0, i_n), (v0, vn) = plan.heads, plan.kv_heads, plan.inter, plan.vocab
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if ".q_proj." in name:
+            w = w[h0 * d:(h0 + hn) * d]
+        elif ".k_proj." in name or ".v_proj." in name:
+            w = w[k0 * d:(k0 + kn) * d]
+        elif ".o_proj." in name:
+            w = w[:, h0 * d:(h0 + hn) * d]
+        elif ".gate_proj." in name or ".up_proj." in name:
+            w = w[i0:i0 + i_n]
+        elif ".down_proj." in name:
+            w = w[:, i0:i0 + i_n]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = torch.nn.functional.pad(w[v0:v0 + vn], (0, 0, 0, max(0, v0 + vn - w.shape[0])))
+        out[name] = w.contiguous()
+    return plan.local_config(), out
+
+
+class Shard:
+    """The model's collective calls on one rank (LlamaForCausalLM.tp, Attention/MLP.reduce)."""
+
+    def __init__(self, plan: ShardPlan):
+        self.vocab_start, self.vocab_local = plan.vocab
+        self.vocab_size = plan.cfg.vocab_size
+        self.size = plan.size
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(x)
+        return x
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: rows this rank holds, zeros elsewhere, summed over ranks."""
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        x = torch.nn.functional.embedding(local.clamp(0, self.vocab_local - 1), weight)
+        return self.all_reduce(x * inside[:, None].to(x.dtype))
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the logits, in vocabulary order, padding dropped."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+
+
+def use_shard(model: torch.nn.Module, shard: Shard) -> None:
+    model.tp = shard
+    for layer in model.layers:
+        layer.self_attn.reduce = shard.all_reduce
+        layer.mlp.reduce = shard.all_reduce
+
+
+# ---- the step message ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NewRequest:
+    prompt_token_ids: list[int]
+    params: object
+    hints: object
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    request_id: str
+    start: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+    samples: bool
+    spec_token_ids: tuple[int, ...]
+    new_output: tuple[int, ...]
+    """Output tokens the workers have not seen yet."""
+    new: NewRequest | None = None
+    """Sent the first time the request is scheduled."""
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    entries: tuple[StepEntry, ...]
+    num_batched_tokens: int
+    dropped: tuple[str, ...] = ()
+    """Requests that finished: the workers forget them."""
+
+
+# ---- the worker process -------------------------------------------------------------------------
+
+def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_blocks: int,
+                 max_model_len: int, threads: int, conn) -> None:
+    """One rank: join the group, load the shard, then run what the main process sends."""
+    try:
+        torch.set_num_threads(threads)
+        cuda = config.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(rank)
+        torch.distributed.init_process_group("nccl" if cuda else "gloo",
+                                             init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=size)
+        from tierserve.engine.worker.loaders import load_model_source
+        from tierserve.engine.worker.model_runner import ModelRunner
+
+        src = load_model_source(config.model)
+        full = src.config
+        cfg, weights = shard_model(full, src.weights, rank, size)
+        local = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device,
+                                    stack_decode_min_batch=0)
+        del src
+        runner = ModelRunner(local, cfg, weights, num_blocks, max_model_len)
+        del weights
+        use_shard(runner.model, Shard(ShardPlan(rank, size, full)))
+        conn.send(("ready", _describe(runner)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    _serve(rank, runner, conn)
+
+
+def main() -> None:
+    """`python -m tierserve.engine.worker.tensor_parallel HOST PORT`: a rank, started by the
+    main process (a fresh interpreter: multiprocessing's spawn would re-run the caller's
+    script). It connects back with the key in TIERSERVE_TP_AUTHKEY and is sent its work."""
+    from multiprocessing.connection import Client
+
+    from tierserve.engine.env import set_omp_env
+
+    set_omp_env()
+    host, port = sys.argv[1], int(sys.argv[2])
+    conn = Client((host, port), authkey=bytes.fromhex(os.environ.pop("TIERSERVE_TP_AUTHKEY")))
+    _worker_main(*conn.recv(), conn)
+
+
+def _describe(runner) -> dict:
+    """What the main process reports about the ranks (rank 0's choices; bytes are summed)."""
+    return {"backend": runner.backend.name, "routes": dict(runner.routes),
+            "kv_dtype": runner.kv_dtype, "weight_bytes": runner.weight_bytes,
+            "kv_bytes": runner.kv_bytes, "block_shape": runner.block_shape}
+
+
+def _serve(rank: int, runner, conn) -> None:
+    mirrors: dict[str, Request] = {}
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):  # the main process is gone
+            return
+        try:
+            if kind == "stop":
+                return
+            if kind == "step":
+                result = runner.execute(_scheduler_output(payload, mirrors))
+                if rank == 0:
+                    conn.send(("ok", result))
+            elif kind == "gather":
+                conn.send(("ok", runner.gather_blocks(payload)))
+            elif kind == "write":
+                runner.write_blocks(*payload)
+                conn.send(("ok", None))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+def _scheduler_output(msg: StepMessage, mirrors: dict[str, Request]) -> SchedulerOutput:
+    for rid in msg.dropped:
+        mirrors.pop(rid, None)
+    scheduled = []
+    for e in msg.entries:
+        if e.new is not None:
+            mirrors[e.request_id] = Request(RequestId(e.request_id), e.new.prompt_token_ids,
+                                            e.new.params, 0, hints=e.new.hints)
+        req = mirrors[e.request_id]
+        req.output_token_ids.extend(e.new_output)
+        scheduled.append(ScheduledRequest(req, e.start, e.num_new_tokens, e.block_ids, e.samples,
+                                          e.spec_token_ids))
+    return SchedulerOutput(tuple(scheduled), msg.num_batched_tokens)
+
+
+# ---- the main process's face --------------------------------------------------------------------
+
+class _NoSparse:
+    """Sparse decode does not run under tensor parallel (yet): its stats stay zero."""
+
+    def __init__(self):
+        from tierserve.engine.worker.sparse import SparseStats
+
+        self.stats = SparseStats()
+
+
+class _Backend:
+    """Rank 0's attention backend, by name (each rank routes its own shapes)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.capabilities = types.SimpleNamespace(sparse=False)
+
+
+class TPExecutor:
+    """What the engine calls in place of a ModelRunner when tensor_parallel_size > 1."""
+
+    graph_reserved_blocks = 0
+    quant_kinds: dict[str, str] = {}
+
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
+                 max_model_len: int, size: int, threads: int):
+        check_shardable(model_cfg, size)
+        self.size = size
+        per_rank = max(1, threads // size)
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        env = dict(os.environ, TIERSERVE_TP_AUTHKEY=key.hex())
+        host, lport = listener.address
+        self._procs = [subprocess.Popen([sys.executable, "-m", __name__, host, str(lport)],
+                                        env=env, start_new_session=False)
+                       for _ in range(size)]
+        self._conns = []
+        self._pending: list[list] = [[] for _ in range(size)]
+        """Replies received while waiting for another rank's."""
+        port = _free_port()
+        try:
+            for rank in range(size):
+                conn = _accept(listener, self._procs, START_TIMEOUT_S)
+                conn.send((rank, size, port, config, num_blocks, max_model_len, per_rank))
+                self._conns.append(conn)
+            infos = [self._answer(rank, START_TIMEOUT_S) for rank in range(size)]
+        except BaseException:  # a rank that cannot start: none is left behind
+            self._kill()
+            raise
+        finally:
+            listener.close()
+        first = infos[0]
+        self.backend = _Backend(first["backend"])
+        self.routes = first["routes"]
+        self.kv_dtype = first["kv_dtype"]
+        self.weight_bytes = sum(i["weight_bytes"] for i in infos)
+        self.kv_bytes = sum(i["kv_bytes"] for i in infos)
+        shape = first["block_shape"]
+        self.local_kv_heads = shape[2]
+        self.block_shape = (shape[0], shape[1], shape[2] * size, *shape[3:])
+        """One block's KV for every layer and every rank's heads, rank by rank."""
+        self.sparse = _NoSparse()
+        self._sent: dict[RequestId, tuple[Request, int]] = {}
+        log.info("tensor parallel: %d ranks (%s), %d threads each, backend %s", size,
+                 "nccl" if config.device.startswith("cuda") else "gloo", per_rank,
+                 self.backend.name)
+
+    # ---- the runner's face ---------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput, constrain=None):
+        if constrain is not None:
+            raise WorkerDied("structured outputs do not run under tensor parallel")
+        self._send_all(("step", self._message(out)))
+        return self._answer(0)
+
+    def capture_graphs(self, pool_blocks: int) -> None:
+        pass
+
+    def allocate_kv(self, num_blocks: int, max_model_len: int) -> None:
+        raise NotImplementedError("GPU memory profiling under tensor parallel: give "
+                                  "kv_cache_memory_bytes or num_blocks")
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        self._send_all(("gather", block_ids))
+        return torch.cat([self._answer(r) for r in range(self.size)], dim=3)
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        for rank, part in enumerate(blocks.split(self.local_kv_heads, dim=3)):
+            self._send(rank, ("write", (block_ids, part.contiguous())))
+        for rank in range(self.size):
+            self._answer(rank)
+
+    def close(self) -> None:
+        for rank in range(self.size):
+            try:
+                self._send(rank, ("stop", None))
+            except WorkerDied:
+                pass
+        self._kill(grace=5.0)
+
+    def _kill(self, grace: float = 0.0) -> None:
+        for proc in self._procs:
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _message(self, out: SchedulerOutput) -> StepMessage:
+        dropped = tuple(rid for rid, (req, _) in self._sent.items() if req.status.finished)
+        for rid in dropped:
+            del self._sent[rid]
+        entries = []
+        for s in out.scheduled:
+            req = s.request
+            seen = self._sent.get(req.request_id)
+            new = (NewRequest(req.prompt_token_ids, req.params, req.hints) if seen is None
+                   else None)
+            n = 0 if seen is None else seen[1]
+            entries.append(StepEntry(req.request_id, s.start, s.num_new_tokens, s.block_ids,
+                                     s.samples, s.spec_token_ids,
+                                     tuple(req.output_token_ids[n:]), new))
+            self._sent[req.request_id] = (req, len(req.output_token_ids))
+        return StepMessage(tuple(entries), out.num_batched_tokens, dropped)
+
+    def _send(self, rank: int, msg) -> None:
+        try:
+            self._conns[rank].send(msg)
+        except (BrokenPipeError, OSError):
+            raise WorkerDied(self._death(rank)) from None
+
+    def _send_all(self, msg) -> None:
+        for rank in range(self.size):
+            self._send(rank, msg)
+
+    def _answer(self, rank: int, timeout: float | None = None):
+        """Rank `rank`'s reply, watching every rank meanwhile: one that exits or reports an
+        error raises WorkerDied (a collective would otherwise wait for it forever). Replies of
+        other ranks that arrive meanwhile are kept for their turn."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending[rank]:
+            if self._conns[rank].poll(0.05):
+                self._receive(rank)
+                continue
+            for r in range(self.size):
+                if r != rank and self._conns[r].poll():
+                    self._receive(r)
+                if self._procs[r].poll() is not None:
+                    raise WorkerDied(self._death(r))
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerDied(f"tensor-parallel rank {rank} did not answer in {timeout:g} s")
+        return self._pending[rank].pop(0)
+
+    def _receive(self, rank: int) -> None:
+        try:
+            kind, payload = self._conns[rank].recv()
+        except (EOFError, OSError):
+            raise WorkerDied(self._death(rank)) from None
+        if kind == "error":
+            raise WorkerDied(f"tensor-parallel rank {rank} failed:\n{payload}")
+        self._pending[rank].append(payload)
+
+    def _death(self, rank: int) -> str:
+        p = self._procs[rank]
+        try:
+            code = p.wait(1)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"was killed by signal {-code}" if code is not None and code < 0 else
+               f"exited with status {code}" if code is not None else "stopped answering")
+        return f"tensor-parallel rank {rank} (pid {p.pid}) {how}"
+
+
+def _accept(listener, procs: list[subprocess.Popen], timeout: float):
+    """The next worker's connection; WorkerDied if a worker exits before it connects."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(listener.accept()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        thread.join(0.05)
+        dead = next((p for p in procs if p.poll() is not None), None)
+        if dead is not None:
+            raise WorkerDied(f"a tensor-parallel worker (pid {dead.pid}) exited with status "
+                             f"{dead.returncode} before it connected")
+        if time.monotonic() > deadline:
+            raise WorkerDied(f"tensor-parallel workers did not connect in {timeout:g} s")
+    return result[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
