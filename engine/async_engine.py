@@ -34,6 +34,7 @@ from tierserve.engine.info import EngineInfo
 from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.llm_engine import LLMEngine
+from tierserve.engine.worker.tensor_parallel import WorkerDied
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.worker.grammar import GrammarStats
@@ -174,6 +175,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._dead = False  # set by the loop thread as it ends, before it fails what is queued
+        self.fatal = False
+        """The loop thread ended on an error (a tensor-parallel rank died, a bug): the server
+        exits non-zero."""
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._wake = threading.Event()
@@ -284,6 +288,7 @@ class AsyncEngine:
         except BaseException:
             log.critical("the engine loop thread died", exc_info=True)
             reason = EngineStopped("the engine loop stopped after an internal error")
+            self.fatal = True
             raise
         finally:
             self._dead = True
@@ -293,6 +298,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDied:  # fatal: the loop ends, every request fails, the server exits
+            raise
         except Exception:  # a bug in a step must not leave clients hanging forever
             log.exception("engine step failed; its requests end with an internal error")
             self._fail_all(EngineError("internal engine error"))

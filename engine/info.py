@@ -58,5 +58,6 @@ class EngineInfo:
     """Which kernel each kind of quantized layer runs (empty: none)."""
     weight_bytes: int = 0
     """Bytes the weights hold on the device."""
+    tensor_parallel_size: int = 1
     speculative: str | None = None
     """Speculative decoding as configured (SpeculativeConfig.describe()), or None when off."""

@@ -284,6 +284,7 @@ class LLMEngine:
             tier_stats=manager.stats if manager is not None else None,
             policy_counters=self.kv.counters, quantization=self.config.quantization,
             quant_kernels=dict(runner.quant_kinds), weight_bytes=runner.weight_bytes,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             speculative=(self.config.speculative_config.describe()
                          if self.config.speculative_config is not None else None))
 
@@ -377,6 +378,9 @@ class LLMEngine:
             raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) plus the prompt "
                              f"({len(ids)} tokens) exceeds the context of {self.max_model_len}")
         _check_salt(cache_salt)
+        if params.structured_outputs is not None and self.config.tensor_parallel_size > 1:
+            raise ParamError("response_format", "structured outputs (and forced tool calls) do "
+                             "not run under tensor parallel yet")
 
     def abort_request(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

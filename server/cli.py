@@ -15,6 +15,8 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import ssl  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 import typing  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
@@ -84,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.engine.llm import build_config
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.engine.tokenizer import compile_chat_template
+    from tierserve.engine.worker.tensor_parallel import WorkerDied
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
     from tierserve.server.transport import limited_h11
@@ -106,7 +109,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a sparse setting out of range
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
-    engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
+    try:
+        engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
+    except ValueError as e:  # a setting the model cannot take (tensor parallel, a draft model)
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
+    except WorkerDied as e:  # a tensor-parallel rank could not start: its error
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 1
     try:
         app = build_app(config, engine)
     except ApiError as e:  # a bad default_* hint: the same check a request's header gets
@@ -121,9 +131,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
     redact_log_output(secrets)  # uvicorn.Config set up its own handlers
     server = _draining_server(uv_config, engine, app.state.ctx.open_groups)
+    watch = threading.Thread(target=_exit_when_engine_dies, args=(engine, server), daemon=True)
+    watch.start()
     server.run()
     engine.stop()
+    if engine.fatal:
+        print("tierserve serve: the engine stopped after an error (see the log above); exiting",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _exit_when_engine_dies(engine, server, every_s: float = 0.2, grace_s: float = 1.0) -> None:
+    """A dead engine (a tensor-parallel rank lost, the loop failed) ends the server within a few
+    seconds: every request has its error already; /health answers 503 for grace_s (a probe or a
+    balancer sees it), then the server stops and the process exits non-zero."""
+    while not server.should_exit:
+        if engine.fatal:
+            log.critical("the engine stopped after an error: shutting down in %g s", grace_s)
+            time.sleep(grace_s)
+            server.should_exit = True
+            return
+        time.sleep(every_s)
 
 
 def _secrets(config: ServerConfig) -> list[str]:

@@ -45,6 +45,10 @@ class ServerConfig:
     """Prefill batches (64 tokens or more) multiply the linear layers in bf16 on AMX's tiles
     (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster prefill,
     not the fp32 path's bits: off by default (docs/quantization.md)."""
+    tensor_parallel_size: int = 1
+    """Shard the model over this many worker processes joined by torch.distributed (vLLM's
+    flag; gloo on the CPU, where the threads are split between the ranks; nccl on CUDA, one GPU
+    each). The heads must divide by it (docs/parallel.md)."""
     speculative_config: str | None = None
     """Speculative decoding, as vLLM's flag (JSON): {"method": "ngram", "num_speculative_tokens":
     4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model":
@@ -273,7 +277,7 @@ class ServerConfig:
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
                 "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids", "quantization",
-                "prefill_bf16", "speculative_config",
+                "prefill_bf16", "speculative_config", "tensor_parallel_size",
                 *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 
@@ -295,7 +299,8 @@ ENV_PREFIX = "TIERSERVE_"
 CONFIG_ENV = "TIERSERVE_CONFIG"
 """The YAML file (or preset name) when --config is not given."""
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
-_AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes")
+_AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes",
+                 "tensor_parallel_size")
 _KEY_FIELDS = ("api_key", "admin_api_key")
 """Secrets: counted, never shown, in the start-up line."""
 CACHE_SCOPES = ("per-key", "shared")

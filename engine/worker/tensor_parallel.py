@@ -27,6 +27,7 @@ pipe closes, so none outlives the main process.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import secrets
@@ -269,9 +270,10 @@ def _serve(rank: int, runner, conn) -> None:
                 if rank == 0:
                     conn.send(("ok", result))
             elif kind == "gather":
-                conn.send(("ok", runner.gather_blocks(payload)))
+                conn.send(("ok", _tensor_bytes(runner.gather_blocks(payload))))
             elif kind == "write":
-                runner.write_blocks(*payload)
+                ids, data = payload
+                runner.write_blocks(ids, _bytes_tensor(data))
                 conn.send(("ok", None))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
@@ -364,8 +366,8 @@ class TPExecutor:
     # ---- the runner's face ---------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput, constrain=None):
-        if constrain is not None:
-            raise WorkerDied("structured outputs do not run under tensor parallel")
+        """The step on every rank; rank 0's StepResult. `constrain` is not applied: the engine
+        refuses structured outputs under tensor parallel (LLMEngine.check_prompt)."""
         self._send_all(("step", self._message(out)))
         return self._answer(0)
 
@@ -378,11 +380,11 @@ class TPExecutor:
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
         self._send_all(("gather", block_ids))
-        return torch.cat([self._answer(r) for r in range(self.size)], dim=3)
+        return torch.cat([_bytes_tensor(self._answer(r)) for r in range(self.size)], dim=3)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         for rank, part in enumerate(blocks.split(self.local_kv_heads, dim=3)):
-            self._send(rank, ("write", (block_ids, part.contiguous())))
+            self._send(rank, ("write", (block_ids, _tensor_bytes(part))))
         for rank in range(self.size):
             self._answer(rank)
 
@@ -429,7 +431,13 @@ class TPExecutor:
         try:
             self._conns[rank].send(msg)
         except (BrokenPipeError, OSError):
-            raise WorkerDied(self._death(rank)) from None
+            raise self._fail(self._death(rank)) from None
+
+    def _fail(self, why: str) -> WorkerDied:
+        """The other ranks wait in a collective for the lost one: stop them all."""
+        log.critical("%s; stopping the other ranks", why)
+        self._kill()
+        return WorkerDied(why)
 
     def _send_all(self, msg) -> None:
         for rank in range(self.size):
@@ -448,18 +456,18 @@ class TPExecutor:
                 if r != rank and self._conns[r].poll():
                     self._receive(r)
                 if self._procs[r].poll() is not None:
-                    raise WorkerDied(self._death(r))
+                    raise self._fail(self._death(r))
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDied(f"tensor-parallel rank {rank} did not answer in {timeout:g} s")
+                raise self._fail(f"tensor-parallel rank {rank} did not answer in {timeout:g} s")
         return self._pending[rank].pop(0)
 
     def _receive(self, rank: int) -> None:
         try:
             kind, payload = self._conns[rank].recv()
         except (EOFError, OSError):
-            raise WorkerDied(self._death(rank)) from None
+            raise self._fail(self._death(rank)) from None
         if kind == "error":
-            raise WorkerDied(f"tensor-parallel rank {rank} failed:\n{payload}")
+            raise self._fail(f"tensor-parallel rank {rank} failed:\n{payload}")
         self._pending[rank].append(payload)
 
     def _death(self, rank: int) -> str:
@@ -488,6 +496,18 @@ def _accept(listener, procs: list[subprocess.Popen], timeout: float):
         if time.monotonic() > deadline:
             raise WorkerDied(f"tensor-parallel workers did not connect in {timeout:g} s")
     return result[0]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor by value (a pickled tensor would travel as a shared-memory handle that only a
+    multiprocessing child can open)."""
+    buf = io.BytesIO()
+    torch.save(t.detach().cpu().contiguous(), buf)
+    return buf.getvalue()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _free_port() -> int:

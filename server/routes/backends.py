@@ -25,4 +25,5 @@ async def backends(request: Request) -> dict:
                              "weight_bytes": info.weight_bytes},
             "sparse_decode": {**dataclasses.asdict(sparse), "active": sparse.active},
             "speculative": info.speculative,
+            "tensor_parallel_size": info.tensor_parallel_size,
             **{phase: r.to_json() for phase, r in info.routes.items()}}

@@ -1,0 +1,162 @@
+"""Tensor parallel on the CPU (gloo): worker processes with a shard each give the greedy tokens of
+one process, keep the prefix cache and the disk tier working, and a lost rank ends the server
+cleanly (engine/worker/tensor_parallel.py, docs/parallel.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from tierserve.engine import LLM
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.worker.loaders import load_model_source
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SMALL = dict(kv_cache_memory_bytes=64 << 20, quantization="none", max_num_seqs=8,
+             max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A random Llama (4 query heads, 2 KV heads, MLP 128) with the embedded model's tokenizer."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.5 if "embed" in name else 1.2 / p.shape[1] ** 0.5)
+            else:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(d, safe_serialization=True)
+    tok = load_model_source("smollm2-135m").tokenizer
+    tok.tokenizer.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": tok.eos_token,
+                                                          "bos_token": tok.bos_token}))
+    return str(d)
+
+
+def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
+    prompts = [p[:200] for p in varied_prompts[:8]]
+    one = LLM(tiny_llama, **SMALL)
+    want = _tokens(one, prompts)
+    assert len({t for s in want for t in s}) >= 12  # a model that says something
+    two = LLM(tiny_llama, tensor_parallel_size=2, **SMALL)
+    try:
+        assert _tokens(two, prompts) == want
+        assert two.engine.info.tensor_parallel_size == 2
+    finally:
+        two.engine.close()
+
+
+def test_tp3_embedded_model_equals_tp1(llm, varied_prompts):
+    prompts = varied_prompts[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = _tokens(llm, prompts, params)
+    three = LLM(tensor_parallel_size=3, **SMALL)
+    try:
+        assert _tokens(three, prompts, params) == want
+    finally:
+        three.engine.close()
+
+
+def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids, tmp_path):
+    prompt = corpus_ids[:160]
+    tiers = dict(kv_tiers="disk", disk_tier_dir=str(tmp_path / "kv"))
+    first = LLM(tiny_llama, tensor_parallel_size=2, **tiers, **SMALL)
+    try:
+        (a,) = first.generate([prompt], GREEDY)
+        (b,) = first.generate([prompt], GREEDY)  # the device prefix cache
+        assert b.num_cached_tokens >= 144 and b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert first.engine.kv_worker.manager.flush()  # the disk writes are done
+    finally:
+        first.engine.close()
+    second = LLM(tiny_llama, tensor_parallel_size=2, **tiers, **SMALL)  # a cold device cache
+    try:
+        (c,) = second.generate([prompt], GREEDY)
+        assert c.num_cached_tokens >= 144 and c.outputs[0].token_ids == a.outputs[0].token_ids
+    finally:
+        second.engine.close()
+    other = LLM(tiny_llama, **tiers, **SMALL)  # TP=1 never reads TP=2's blocks
+    (d,) = other.generate([prompt], GREEDY)
+    assert d.num_cached_tokens == 0 and d.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tensor_parallel_size=2), "its 9 query heads do not divide by 2"),
+    (dict(tensor_parallel_size=3, sparse_topk_blocks=8), "does not run with sparse decode"),
+])
+def test_what_tensor_parallel_refuses(kwargs, words):
+    with pytest.raises(ValueError, match=words) as e:
+        LLM(**kwargs, **SMALL)
+    assert "\n" not in str(e.value)
+
+
+def _workers(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "tierserve.engine.worker.tensor_parallel"],
+                         capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out if _parent(int(p)) == pid]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def test_server_streams_under_tp3_and_a_lost_rank_ends_it(tmp_path, llm):
+    import openai
+
+    from server_fixtures import run_server
+
+    prompt = "The history of the printing press"
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    with run_server(tmp_path, "--tensor-parallel-size", "3") as srv:
+        client = openai.OpenAI(base_url=srv.v1, api_key="x")
+        body = dict(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0)
+        assert client.completions.create(**body).choices[0].text == want
+        assert "".join(c.choices[0].text for c in client.completions.create(**body, stream=True)) \
+            == want
+        refused = httpx.post(srv.v1 + "/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 4, "response_format": {"type": "json_object"},
+            "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert refused.status_code == 400 and "tensor parallel" in refused.json()["error"]["message"]
+        workers = _workers(srv.proc.pid)
+        assert len(workers) == 3
+        events, health = [], None
+        long = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.v1 + "/completions", json=long, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(workers[1], signal.SIGKILL)  # mid-stream
+        health = httpx.get(srv.base_url + "/health", timeout=5).status_code
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert len(events) < 1000
+        assert health == 503
+        assert srv.proc.wait(30) != 0
+        assert "tensor-parallel rank 1" in srv.log()
+    deadline = time.monotonic() + 10
+    while any(_parent(p) != -1 for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_parent(p) == -1 for p in workers), "a worker outlived the server"
