@@ -42,6 +42,9 @@ PROCESS_ENV = {
                               "AVX-512 box, for tests.",
     "TIERSERVE_SPIN_US": "How long the native extension's workers stay awake between parallel "
                          "loops, in microseconds (default 100; `0` sleeps at once).",
+    "TIERSERVE_TP_AUTHKEY": "Internal: the key a tensor-parallel worker process uses to connect "
+                            "back to the server that started it (set by the server for its "
+                            "workers, removed from their environment once read; never set it).",
     "TIERSERVE_STACK_DECODE_MIN_BATCH": "Smallest decode batch that runs all layers in one "
                                         "native call (default 1; `0` runs every step layer by "
                                         "layer; the results are the same to the bit).",
