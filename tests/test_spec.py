@@ -179,7 +179,7 @@ def test_a_failing_request_holds_off_and_tries_again():
 # ---- the engine: the same tokens --------------------------------------------------------------
 
 def test_greedy_tokens_equal_without_speculation(llm, spec_llm, copy_prompts, varied_prompts):
-    prompts = copy_prompts + varied_prompts[:6]
+    prompts = copy_prompts + varied_prompts  # the parity prompts: 1 to 1,500 tokens
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in _run(llm, prompts, params)]
     before = spec_llm.engine.spec_stats()
@@ -247,6 +247,18 @@ def test_blocks_come_back_after_speculation(spec_llm, copy_prompts):
     free = pool.num_free
     _run(spec_llm, copy_prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert pool.num_free == free and spec_llm.engine.num_tracked == 0
+
+
+def test_structured_outputs_do_not_speculate_and_keep_their_grammar(llm, spec_llm):
+    from tierserve.engine.core.structured import StructuredOutput
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutput
+                            .choice(["alpha beta alpha beta", "gamma"]))
+    prompt = "Say alpha beta alpha beta:"
+    before = spec_llm.engine.spec_stats().num_drafts
+    (a,), (b,) = _run(llm, [prompt], params), _run(spec_llm, [prompt], params)
+    assert b.text == a.text and b.text in ("alpha beta alpha beta", "gamma")
+    assert spec_llm.engine.spec_stats().num_drafts == before
 
 
 def test_opt_out_proposes_nothing(spec_llm, copy_prompts):
@@ -326,11 +338,15 @@ def test_a_wrong_acceptance_rule_is_caught(llm, spec_llm, letters):
 
 # ---- the draft model ------------------------------------------------------------------------------
 
-def test_embedded_model_as_its_own_draft_accepts_everything(llm, copy_prompts, varied_prompts):
+def test_embedded_model_as_its_own_draft_accepts_everything(llm, copy_prompts, corpus_ids):
     draft = LLM(speculative_config={"method": "draft_model", "model": "smollm2-135m",
-                                    "num_speculative_tokens": 3}, **ENGINE)
-    prompts = copy_prompts[:2] + varied_prompts[3:6]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+                                    "num_speculative_tokens": 3, "compute_bound_batch": 0},
+                **ENGINE)
+    # 32 mixed-length requests served together
+    prompts = [(copy_prompts[i % 3] if i % 2 else corpus_ids[50 * i:50 * i + 5 + 23 * i])
+               for i in range(32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + (i * 5) % 17, ignore_eos=True)
+              for i in range(32)]
     want = [o.token_ids for o in _run(llm, prompts, params)]
     assert [o.token_ids for o in _run(draft, prompts, params)] == want
     s = draft.engine.spec_stats()
