@@ -86,6 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.engine.llm import build_config
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.engine.tokenizer import compile_chat_template
+    from tierserve.engine.worker.device import DeviceError
+    from tierserve.engine.worker.loaders import ModelLoadError
     from tierserve.engine.worker.tensor_parallel import WorkerDied
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
@@ -111,6 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
+    except (DeviceError, ModelLoadError):
+        raise  # main() prints them
     except ValueError as e:  # a setting the model cannot take (tensor parallel, a draft model)
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2

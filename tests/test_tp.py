@@ -24,13 +24,11 @@ SMALL = dict(kv_cache_memory_bytes=64 << 20, quantization="none", max_num_seqs=8
              max_num_batched_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """A random Llama (4 query heads, 2 KV heads, MLP 128) with the embedded model's tokenizer."""
-    d = tmp_path_factory.mktemp("tiny-llama")
+def _random_llama(d, kv_heads: int) -> str:
+    """A random Llama (4 query heads, MLP 128) with the embedded model's tokenizer."""
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   num_key_value_heads=kv_heads, max_position_embeddings=512,
                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     torch.manual_seed(7)
@@ -46,6 +44,24 @@ def tiny_llama(tmp_path_factory) -> str:
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": tok.eos_token,
                                                           "bos_token": tok.bos_token}))
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """2 KV heads: TP=2 splits them."""
+    return _random_llama(tmp_path_factory.mktemp("tiny-llama"), kv_heads=2)
+
+
+def test_kv_heads_replicate_when_ranks_outnumber_them(tmp_path, varied_prompts):
+    """1 KV head, 2 ranks: each rank keeps the KV head its 2 query heads read."""
+    model = _random_llama(tmp_path, kv_heads=1)
+    prompts = [p[:100] for p in varied_prompts[2:6]]
+    want = _tokens(LLM(model, **SMALL), prompts)
+    two = LLM(model, tensor_parallel_size=2, **SMALL)
+    try:
+        assert _tokens(two, prompts) == want
+    finally:
+        two.engine.close()
 
 
 def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
@@ -66,8 +82,8 @@ def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
 
 
 def test_tp3_embedded_model_equals_tp1(llm, varied_prompts):
-    prompts = varied_prompts[:6]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = varied_prompts  # the parity prompts: 1 to 1,500 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = _tokens(llm, prompts, params)
     three = LLM(tensor_parallel_size=3, **SMALL)
     try:
@@ -160,3 +176,19 @@ def test_server_streams_under_tp3_and_a_lost_rank_ends_it(tmp_path, llm):
     while any(_parent(p) != -1 for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_parent(p) == -1 for p in workers), "a worker outlived the server"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tensor-parallel-size", "2"], "its 9 query heads do not divide by 2"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+     "unknown method 'eagle'"),
+])
+def test_serve_refuses_in_one_line(args, words):
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tierserve.server.cli", "serve", "--port", "0",
+                        "--log-level", "warning", *args], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if words in ln]
+    assert len(lines) == 1 and lines[0].startswith("tierserve serve: "), r.stderr
