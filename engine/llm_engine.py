@@ -547,7 +547,7 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     yet (docs/parallel.md)."""
     size = config.tensor_parallel_size
     refused = [name for name, on in (
-        ("sparse decode", config.sparse.enabled), ("cuda_graphs", config.cuda_graphs),
+        ("cuda_graphs", config.cuda_graphs),
         ("prefill_bf16", config.prefill_bf16),
         ("a draft model", config.speculative_config is not None
          and config.speculative_config.method == "draft_model"),

@@ -116,7 +116,7 @@ def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids,
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(tensor_parallel_size=2), "its 9 query heads do not divide by 2"),
-    (dict(tensor_parallel_size=3, sparse_topk_blocks=8), "does not run with sparse decode"),
+    (dict(tensor_parallel_size=3, prefill_bf16=True), "does not run with prefill_bf16"),
 ])
 def test_what_tensor_parallel_refuses(kwargs, words):
     with pytest.raises(ValueError, match=words) as e:
@@ -192,3 +192,18 @@ def test_serve_refuses_in_one_line(args, words):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if words in ln]
     assert len(lines) == 1 and lines[0].startswith("tierserve serve: "), r.stderr
+
+
+def test_sparse_decode_per_rank_equals_tp1(corpus_ids):
+    """Each rank scores and picks the blocks of its own KV heads: the same picks as TP=1's."""
+    kw = dict(SMALL, sparse_topk_blocks=8, sparse_min_context=256)
+    prompts = [corpus_ids[:900], corpus_ids[1000:1400]]
+    one = LLM(**kw)
+    want = _tokens(one, prompts)
+    three = LLM(tensor_parallel_size=3, **kw)
+    try:
+        assert _tokens(three, prompts) == want
+        stats = three.engine.runner.sparse.stats  # rank 0's heads
+        assert 0 < stats.blocks_attended < stats.blocks_total
+    finally:
+        three.engine.close()

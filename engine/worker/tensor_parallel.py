@@ -250,7 +250,8 @@ def main() -> None:
 
 def _describe(runner) -> dict:
     """What the main process reports about the ranks (rank 0's choices; bytes are summed)."""
-    return {"backend": runner.backend.name, "routes": dict(runner.routes),
+    return {"backend": runner.backend.name, "sparse": runner.backend.capabilities.sparse,
+            "routes": dict(runner.routes),
             "kv_dtype": runner.kv_dtype, "weight_bytes": runner.weight_bytes,
             "kv_bytes": runner.kv_bytes, "block_shape": runner.block_shape}
 
@@ -268,7 +269,7 @@ def _serve(rank: int, runner, conn) -> None:
             if kind == "step":
                 result = runner.execute(_scheduler_output(payload, mirrors))
                 if rank == 0:
-                    conn.send(("ok", result))
+                    conn.send(("ok", (result, runner.sparse.stats)))
             elif kind == "gather":
                 conn.send(("ok", _tensor_bytes(runner.gather_blocks(payload))))
             elif kind == "write":
@@ -297,8 +298,9 @@ def _scheduler_output(msg: StepMessage, mirrors: dict[str, Request]) -> Schedule
 
 # ---- the main process's face --------------------------------------------------------------------
 
-class _NoSparse:
-    """Sparse decode does not run under tensor parallel (yet): its stats stay zero."""
+class _SparseStats:
+    """Rank 0's sparse decode counters (every rank chooses for its own heads), as of the last
+    step."""
 
     def __init__(self):
         from tierserve.engine.worker.sparse import SparseStats
@@ -309,9 +311,9 @@ class _NoSparse:
 class _Backend:
     """Rank 0's attention backend, by name (each rank routes its own shapes)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, sparse: bool):
         self.name = name
-        self.capabilities = types.SimpleNamespace(sparse=False)
+        self.capabilities = types.SimpleNamespace(sparse=sparse)
 
 
 class TPExecutor:
@@ -348,7 +350,7 @@ class TPExecutor:
         finally:
             listener.close()
         first = infos[0]
-        self.backend = _Backend(first["backend"])
+        self.backend = _Backend(first["backend"], first["sparse"])
         self.routes = first["routes"]
         self.kv_dtype = first["kv_dtype"]
         self.weight_bytes = sum(i["weight_bytes"] for i in infos)
@@ -357,7 +359,7 @@ class TPExecutor:
         self.local_kv_heads = shape[2]
         self.block_shape = (shape[0], shape[1], shape[2] * size, *shape[3:])
         """One block's KV for every layer and every rank's heads, rank by rank."""
-        self.sparse = _NoSparse()
+        self.sparse = _SparseStats()
         self._sent: dict[RequestId, tuple[Request, int]] = {}
         log.info("tensor parallel: %d ranks (%s), %d threads each, backend %s", size,
                  "nccl" if config.device.startswith("cuda") else "gloo", per_rank,
@@ -369,7 +371,8 @@ class TPExecutor:
         """The step on every rank; rank 0's StepResult. `constrain` is not applied: the engine
         refuses structured outputs under tensor parallel (LLMEngine.check_prompt)."""
         self._send_all(("step", self._message(out)))
-        return self._answer(0)
+        result, self.sparse.stats = self._answer(0)
+        return result
 
     def capture_graphs(self, pool_blocks: int) -> None:
         pass
