@@ -551,7 +551,6 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
         ("prefill_bf16", config.prefill_bf16),
         ("a draft model", config.speculative_config is not None
          and config.speculative_config.method == "draft_model"),
-        (f"quantization {config.quantization}", config.quantization not in ("auto", "none")),
     ) if on]
     if refused:
         raise ValueError(f"tensor_parallel_size {size} does not run with {', '.join(refused)} "
@@ -559,7 +558,7 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     if config.device.startswith("cuda") and size > torch_cuda_count():
         raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; "
                          f"{torch_cuda_count()} visible")
-    return dataclasses.replace(config, quantization="none")
+    return config
 
 
 def torch_cuda_count() -> int:

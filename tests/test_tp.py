@@ -82,12 +82,16 @@ def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
 
 
 def test_tp3_embedded_model_equals_tp1(llm, varied_prompts):
+    """Greedy tokens of TP=3 (quantized shards) equal TP=1's fp32 path on the parity prompts."""
     prompts = varied_prompts  # the parity prompts: 1 to 1,500 tokens
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = _tokens(llm, prompts, params)
-    three = LLM(tensor_parallel_size=3, **SMALL)
-    try:
+    three = LLM(tensor_parallel_size=3, **{**SMALL, "quantization": "auto",
+                                          "kv_cache_memory_bytes": 256 << 20})
+    try:  # auto: each rank keeps its slice of the GGUF's own blocks (the fp32 path's bits)
         assert _tokens(three, prompts, params) == want
+        info = three.engine.info
+        assert info.quantization == "gguf" and info.weight_bytes < 130 << 20, info
     finally:
         three.engine.close()
 

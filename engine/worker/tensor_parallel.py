@@ -41,6 +41,7 @@ import types
 from multiprocessing.connection import Listener
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tierserve.engine.config import EngineConfig, ModelConfig
@@ -137,6 +138,52 @@ def shard_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
     return plan.local_config(), out
 
 
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+"""Bytes of one GGUF block of 32 weights."""
+
+
+def shard_blocks(blocks: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
+    """Rank `rank`'s slices of a GGUF's quantized blocks (--quantization gguf), cut as
+    shard_model cuts the weights: rows of a tensor are whole rows of blocks, and a column cut
+    falls on block boundaries (widths that do not leave the tensor out: its start then stops
+    with gguf's own error). llama.cpp's RoPE row order is permuted within each head, so whole
+    heads stay whole."""
+    from tierserve.engine.worker.loaders import QuantBlocks
+
+    plan = ShardPlan(rank, size, cfg)
+    d = cfg.head_dim
+    (h0, hn), (k0, kn), (i0, i_n), (v0, vn) = plan.heads, plan.kv_heads, plan.inter, plan.vocab
+    out = {}
+    for name, b in blocks.items():
+        bpb, (n, k), heads = BLOCK_BYTES[b.kind], b.shape, b.rope_heads
+        rows = cols = None
+        if ".q_proj." in name:
+            rows, heads = (h0 * d, hn * d), (hn if heads else None)
+        elif ".k_proj." in name or ".v_proj." in name:
+            rows, heads = (k0 * d, kn * d), (kn if heads else None)
+        elif ".o_proj." in name:
+            cols = (h0 * d, hn * d)
+        elif ".gate_proj." in name or ".up_proj." in name:
+            rows = (i0, i_n)
+        elif ".down_proj." in name:
+            cols = (i0, i_n)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = (v0, vn)
+        raw = b.raw
+        if rows is not None:
+            raw = raw[rows[0]:rows[0] + rows[1]]
+            if raw.shape[0] < rows[1]:  # the vocabulary's padding: zero blocks decode to 0
+                raw = np.concatenate([raw, np.zeros((rows[1] - raw.shape[0], raw.shape[1]),
+                                                    raw.dtype)])
+            n = rows[1]
+        if cols is not None:
+            if cols[0] % 32 or cols[1] % 32:
+                continue
+            raw, k = raw[:, cols[0] // 32 * bpb:(cols[0] + cols[1]) // 32 * bpb], cols[1]
+        out[name] = QuantBlocks(np.ascontiguousarray(raw), b.kind, (n, k), heads)
+    return out
+
+
 class Shard:
     """The model's collective calls on one rank (LlamaForCausalLM.tp, Attention/MLP.reduce)."""
 
@@ -150,11 +197,12 @@ class Shard:
         torch.distributed.all_reduce(x)
         return x
 
-    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: rows this rank holds, zeros elsewhere, summed over ranks."""
+    def embed(self, ids: torch.Tensor, table: torch.nn.Module) -> torch.Tensor:
+        """Vocab-parallel lookup in `table` (an embedding, or its quantized form): rows this rank
+        holds, zeros elsewhere, summed over ranks."""
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.vocab_local)
-        x = torch.nn.functional.embedding(local.clamp(0, self.vocab_local - 1), weight)
+        x = table(local.clamp(0, self.vocab_local - 1))
         return self.all_reduce(x * inside[:, None].to(x.dtype))
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -219,13 +267,14 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_bloc
         from tierserve.engine.worker.model_runner import ModelRunner
 
         src = load_model_source(config.model)
-        full = src.config
+        full, blocks = src.config, src.blocks
         cfg, weights = shard_model(full, src.weights, rank, size)
         local = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device,
                                     stack_decode_min_batch=0)
         del src
-        runner = ModelRunner(local, cfg, weights, num_blocks, max_model_len)
-        del weights
+        runner = ModelRunner(local, cfg, weights, num_blocks, max_model_len,
+                             shard_blocks(blocks, full, rank, size))
+        del weights, blocks
         use_shard(runner.model, Shard(ShardPlan(rank, size, full)))
         conn.send(("ready", _describe(runner)))
     except BaseException:
@@ -253,7 +302,8 @@ def _describe(runner) -> dict:
     return {"backend": runner.backend.name, "sparse": runner.backend.capabilities.sparse,
             "routes": dict(runner.routes),
             "kv_dtype": runner.kv_dtype, "weight_bytes": runner.weight_bytes,
-            "kv_bytes": runner.kv_bytes, "block_shape": runner.block_shape}
+            "kv_bytes": runner.kv_bytes, "block_shape": runner.block_shape,
+            "quant_kinds": dict(runner.quant_kinds)}
 
 
 def _serve(rank: int, runner, conn) -> None:
@@ -320,7 +370,6 @@ class TPExecutor:
     """What the engine calls in place of a ModelRunner when tensor_parallel_size > 1."""
 
     graph_reserved_blocks = 0
-    quant_kinds: dict[str, str] = {}
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
                  max_model_len: int, size: int, threads: int):
@@ -354,6 +403,7 @@ class TPExecutor:
         self.routes = first["routes"]
         self.kv_dtype = first["kv_dtype"]
         self.weight_bytes = sum(i["weight_bytes"] for i in infos)
+        self.quant_kinds = first["quant_kinds"]
         self.kv_bytes = sum(i["kv_bytes"] for i in infos)
         shape = first["block_shape"]
         self.local_kv_heads = shape[2]

@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.embed_tokens(input_ids)
-        return self.tp.embed(input_ids, self.embed_tokens.weight)
+        return self.tp.embed(input_ids, self.embed_tokens)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up."""
