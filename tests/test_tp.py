@@ -211,3 +211,19 @@ def test_sparse_decode_per_rank_equals_tp1(corpus_ids):
         assert 0 < stats.blocks_attended < stats.blocks_total
     finally:
         three.engine.close()
+
+
+def test_a_rank_that_cannot_load_stops_the_start_with_its_error(llm):
+    """The ranks load the model themselves: one that fails reports its error, the start fails
+    with it, and no rank is left running."""
+    import dataclasses
+
+    from tierserve.engine.worker.tensor_parallel import TPExecutor, WorkerDied
+
+    cfg = dataclasses.replace(llm.engine.config, model="/nonexistent/model.gguf")
+    before = set(_workers(os.getpid()))
+    with pytest.raises(WorkerDied, match="tensor-parallel rank .* failed") as e:
+        TPExecutor(cfg, llm.engine.model_config, 16, 256, 3, 2)
+    assert "/nonexistent/model.gguf" in str(e.value)
+    time.sleep(0.5)
+    assert set(_workers(os.getpid())) <= before
