@@ -547,10 +547,7 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     yet (docs/parallel.md)."""
     size = config.tensor_parallel_size
     refused = [name for name, on in (
-        ("cuda_graphs", config.cuda_graphs),
-        ("prefill_bf16", config.prefill_bf16),
-        ("a draft model", config.speculative_config is not None
-         and config.speculative_config.method == "draft_model"),
+        ("cuda_graphs", config.cuda_graphs), ("prefill_bf16", config.prefill_bf16),
     ) if on]
     if refused:
         raise ValueError(f"tensor_parallel_size {size} does not run with {', '.join(refused)} "

@@ -198,6 +198,20 @@ def test_serve_refuses_in_one_line(args, words):
     assert len(lines) == 1 and lines[0].startswith("tierserve serve: "), r.stderr
 
 
+def test_a_draft_model_proposes_for_the_ranks(llm, varied_prompts):
+    """The draft runs in the main process (unsharded); the ranks verify its proposals."""
+    spec = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2}
+    prompts = varied_prompts[4:6]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    three = LLM(tensor_parallel_size=3, speculative_config=spec, **SMALL)
+    try:
+        assert _tokens(three, prompts, params) == _tokens(llm, prompts, params)
+        stats = three.engine.spec_stats()
+        assert 0 < 0.9 * stats.num_draft_tokens <= stats.num_accepted_tokens
+    finally:
+        three.engine.close()
+
+
 def test_sparse_decode_per_rank_equals_tp1(corpus_ids):
     """Each rank scores and picks the blocks of its own KV heads: the same picks as TP=1's."""
     kw = dict(SMALL, sparse_topk_blocks=8, sparse_min_context=256)
