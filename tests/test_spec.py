@@ -275,10 +275,13 @@ def test_opt_out_proposes_nothing(spec_llm, copy_prompts):
 LETTERS = 4
 
 
-def _first_tokens(llm: LLM, prompt: list[int], ids: list[int], n: int) -> list[tuple[int, ...]]:
-    """Tokens 2..4 of n unseeded requests that may only write the ids (logit_bias)."""
+def _first_tokens(llm: LLM, prompt: list[int], ids: list[int], n: int,
+                  seeded: bool = False) -> list[tuple[int, ...]]:
+    """Tokens 2..4 of n requests (seeds 0..n-1, or none) that may only write the ids
+    (logit_bias)."""
     bias = {t: 100.0 for t in ids}
-    params = SamplingParams(temperature=1.0, max_tokens=4, logit_bias=bias, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=4, logit_bias=bias, ignore_eos=True,
+                             seed=i if seeded else None) for i in range(n)]
     return [tuple(o.outputs[0].token_ids[1:4]) for o in llm.generate([prompt] * n, params)]
 
 
@@ -310,12 +313,13 @@ def letters(llm) -> tuple[list[int], list[int]]:
     return (ids * 12)[:-1], ids
 
 
-def test_sampled_distribution_is_the_same(llm, spec_llm, letters):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_distribution_is_the_same(llm, spec_llm, letters, seeded):
     prompt, ids = letters
     n = 300
-    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n)]
+    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n, seeded)]
     before = spec_llm.engine.spec_stats()
-    spec = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n)]
+    spec = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n, seeded)]
     after = spec_llm.engine.spec_stats()
     assert after.num_draft_tokens - before.num_draft_tokens >= n  # proposals were verified
     assert _chi_square_p(plain, spec) > 0.01
@@ -326,11 +330,11 @@ def test_a_wrong_acceptance_rule_is_caught(llm, spec_llm, letters):
     enough for the same test to see it."""
     prompt, ids = letters
     n = 300
-    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n)]
+    plain = [t[0] for t in _first_tokens(llm, prompt, ids, n, seeded=True)]
     runner = spec_llm.engine.runner
     runner.accept = lambda proposals, draws: max(1, accepted_prefix(proposals, draws))
     try:
-        wrong = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n)]
+        wrong = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n, seeded=True)]
     finally:
         runner.accept = accepted_prefix
     assert _chi_square_p(plain, wrong) < 0.01
