@@ -11,6 +11,7 @@ import pytest
 
 from s3_fixtures import BUCKET, free_port, hanging_endpoint
 from tierserve import LLM, SamplingParams
+from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.core.request import RequestStatus
 
@@ -165,12 +166,15 @@ def test_corrupt_and_truncated_disk_blocks_are_misses_and_removed(tmp_path, long
         data[len(data) // 2] ^= 0xFF
         ordered[10].write_bytes(bytes(data))
         ordered[20].write_bytes(ordered[20].read_bytes()[:1000])
+        # explicit load tiers: this test is about the payload checks, not the cost policy
+        # (which, after the corrupt read's slow fetch, may skip a slow-looking disk)
+        disk = KVHints(load_tiers=("disk",))
         llm.engine.pool.reset_prefix_cache()
-        out = llm.generate([long_prompt], GREEDY)[0]
+        out = llm.generate([long_prompt], GREEDY, kv_hints=disk)[0]
         assert llm.engine.kv_worker.manager.flush(30)
         errors = llm.engine.kv_worker.manager.stats()["disk"].errors
         llm.engine.pool.reset_prefix_cache()
-        healed = llm.generate([long_prompt], GREEDY)[0]
+        healed = llm.generate([long_prompt], GREEDY, kv_hints=disk)[0]
     finally:
         llm.engine.close()
     assert out.outputs[0].token_ids == cold
