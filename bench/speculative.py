@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.tables import markdown_table, pyplot, save_figure, save_outputs  # noqa: E402
+from bench.tables import cpu_name, markdown_table, pyplot, save_figure, save_outputs  # noqa: E402
 from tierserve.engine import LLM, SamplingParams  # noqa: E402
 from tierserve.engine.config import parse_bytes  # noqa: E402
 from tierserve.engine.spec.config import SpeculativeConfig  # noqa: E402
@@ -50,15 +50,6 @@ TASKS = ("Write a short story about {}.", "Write a poem about {}.",
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),
-                        "unknown CPU")
-    except OSError:
-        return "unknown CPU"
 
 
 # ---- workloads: n user messages each -------------------------------------------------------------

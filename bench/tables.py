@@ -59,5 +59,15 @@ def save_outputs(json_path: str | None, data: Callable[[], dict], plot_path: str
         draw(plot_path)
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (results are per box)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
 def _make_parent(path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

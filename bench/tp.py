@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if not any(os.path.realpath(p or os.curdir) == os.path.realpath(ROOT) for p in sys.path):
     sys.path.insert(0, ROOT)  # not where bench/gpu_check.py already appended it
 
-from bench.tables import markdown_table, write_json  # noqa: E402
+from bench.tables import cpu_name, markdown_table, write_json  # noqa: E402
 from tierserve.engine import LLM, SamplingParams  # noqa: E402
 from tierserve.engine.config import parse_bytes  # noqa: E402
 
@@ -58,15 +58,6 @@ by 2; 576 / 8 = 72 would not be a multiple of 16."""
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),
-                        "unknown CPU")
-    except OSError:
-        return "unknown CPU"
 
 
 # ---- the random model ----------------------------------------------------------------------------
