@@ -3,6 +3,10 @@
 Decodes run as one batched GQA matmul over a gather of every decode's KV padded to the longest
 context; prefill chunks run one SDPA call each (a fresh prompt attends to its own K/V directly,
 a chunk after cached tokens gathers its context and uses a bottom-right causal mask).
+
+With `prefill_bf16_min_rows` set (--prefill-bf16, CPUs with AMX), a chunk of at least that many
+rows attends in bf16: q, k and v rounded to bf16, torch's flash attention (its bf16 GEMMs run on
+AMX's tiles, fp32 softmax and accumulation), the output widened back to fp32.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class TorchSdpaBackend(AttentionBackend):
         kv_dtypes=("auto", "float32", "float16", "bfloat16", "fp8_e4m3"),
         min_capability_for=(("bfloat16", (8, 0)),),
     )
+    prefill_bf16_min_rows = 0
+    """Prefill chunks of at least this many rows attend in bf16 (0: never); fp32 models only."""
 
     def build_metadata(self, layout: BatchLayout) -> SdpaMeta:
         decode = self._decode_meta(layout) if layout.num_decodes else None
@@ -110,15 +116,18 @@ class TorchSdpaBackend(AttentionBackend):
         return o.view(hkv, b, g, d).transpose(0, 1).reshape(b, hkv * g * d)
 
     def _prefill(self, q, k, v, kv_cache, p: PrefillMeta):
-        qq = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
+        dt = q.dtype
+        if 0 < self.prefill_bf16_min_rows <= p.q1 - p.q0 and dt == torch.float32:
+            dt = torch.bfloat16
+        qq = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0).to(dt)
         if p.slots is None:
-            kk = k[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
-            vv = v[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
+            kk = k[p.q0:p.q1].transpose(0, 1).unsqueeze(0).to(dt)
+            vv = v[p.q0:p.q1].transpose(0, 1).unsqueeze(0).to(dt)
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
         else:
-            kk = self.read_kv(kv_cache[0].index_select(1, p.slots), q.dtype).unsqueeze(0)
-            vv = self.read_kv(kv_cache[1].index_select(1, p.slots), q.dtype).unsqueeze(0)
+            kk = self.read_kv(kv_cache[0].index_select(1, p.slots), q.dtype).unsqueeze(0).to(dt)
+            vv = self.read_kv(kv_cache[1].index_select(1, p.slots), q.dtype).unsqueeze(0).to(dt)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=p.mask, scale=self.scale,
                                                enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(p.q1 - p.q0, -1)
+        return o[0].transpose(0, 1).reshape(p.q1 - p.q0, -1).to(q.dtype)

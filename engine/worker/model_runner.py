@@ -77,6 +77,10 @@ class ModelRunner:
         self.model = self._build_model(weights, blocks or {})
         self.routes, self.backend = choose_backend(config, model_cfg, self.device, self.dtype,
                                                    self.kv_dtype)
+        if config.prefill_bf16:  # prefill attention in bf16 too (AMX), where SDPA runs it
+            for b in (self.backend, getattr(self.backend, "prefill", None)):
+                if hasattr(b, "prefill_bf16_min_rows"):
+                    b.prefill_bf16_min_rows = PREFILL_BF16_MIN_ROWS
         self.sparse = decode_sparsity(config.sparse, self.backend, model_cfg, self.block_size,
                                       self.device, self.native)
         self.allocate_kv(num_blocks, max_model_len)

@@ -350,11 +350,34 @@ at::Tensor decode_all(Rows proto, int64_t N, int64_t K) {
   return out;
 }
 
+// The weight decoded and rounded to bf16, for --prefill-bf16's GEMMs, as the [N, K] view of a
+// [K, N] buffer: a panel's 16 values at each k are 16 neighbours there (written in one run, where
+// [N, K] scatters them a row apart), and x W^T reads W^T = the buffer as it lies.
+template <class Rows>
+at::Tensor decode_bf16_kn(Rows proto, int64_t N, int64_t K) {
+  auto out = at::empty({K, N}, at::TensorOptions().dtype(at::kBFloat16));
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t NP = (N + kP - 1) / kP;
+  ts::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
+    std::vector<float> panel(K * kP);
+    for (int64_t p = p0; p < p1; ++p) {
+      decode_panel(proto, p, K, panel.data());
+      const int64_t rows = std::min(kP, N - p * kP);
+      for (int64_t k = 0; k < K; ++k) {
+        c10::BFloat16* dst = o + k * N + p * kP;
+        const float* src = panel.data() + k * kP;
+        for (int64_t i = 0; i < rows; ++i) dst[i] = c10::BFloat16(src[i]);
+      }
+    }
+  });
+  return out.t();
+}
+
 }  // namespace
 
 template <class Rows>
 at::Tensor decode_as(Rows rows, int64_t N, int64_t K, bool bf16) {
-  return bf16 ? decode_all<Rows, c10::BFloat16>(rows, N, K) : decode_all<Rows, float>(rows, N, K);
+  return bf16 ? decode_bf16_kn<Rows>(rows, N, K) : decode_all<Rows, float>(rows, N, K);
 }
 
 at::Tensor q4_decode(at::Tensor codes, at::Tensor d, at::Tensor z, int64_t n, bool bf16) {

@@ -69,6 +69,18 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+    def takes_bf16(self, rows: int) -> bool:
+        """A batch of `rows` multiplies in bf16 (--prefill-bf16)."""
+        return 0 < self.bf16_min_rows <= rows and self.bias is None
+
+    def bf16_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in bf16 (x and W rounded to bf16, fp32 accumulation in oneDNN, the result rounded
+        to bf16): for a consumer that rounds its input to bf16 anyway (the MLP's down_proj).
+        Only where takes_bf16(rows)."""
+        w = (self._quant.decode(self.ops, bf16=True) if self._quant is not None
+             else self.weight.to(torch.bfloat16))
+        return F.linear(x.to(torch.bfloat16), w)
+
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) with x and W rounded to bf16 (quantized weights decoded first), fp32
         accumulation and result: oneDNN runs it on AMX's bf16 tiles where the CPU has them."""
