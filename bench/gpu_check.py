@@ -658,6 +658,12 @@ def tp_section(device: str, dtype: str, tiny: bool) -> bool:
             gc.collect()
             torch.cuda.empty_cache()
         runs.append(tp.run_config(model, 2, name=name, **args))
+        if device.startswith("cuda"):  # every rank captures its graphs; each sizes its cache
+            gc.collect()
+            torch.cuda.empty_cache()
+            runs.append(tp.run_config(model, 2, name=name, label="TP=2, graphs, GPU-sized",
+                                      **{**args, "kv_cache_memory_bytes": None,
+                                         "cuda_graphs": True}))
     one = runs[0]
     print(f"\n| model ({dtype}) | TP | decode step ms (batch 1, median) | output tok/s (batch "
           f"{batch}) | greedy = TP=1 (batch 1) | greedy = TP=1 (batch {batch}) |"
@@ -665,7 +671,7 @@ def tp_section(device: str, dtype: str, tiny: bool) -> bool:
     ok = True
     for r in runs:
         single, batched = tp.same(r.single, one.single), tp.same(r.batch, one.batch)
-        print(f"| {r.model} | {r.tp} | {r.step_ms:.2f} | {r.tok_s:.1f} | {single}/{len(one.single)}"
+        print(f"| {r.model} | {r.config} | {r.step_ms:.2f} | {r.tok_s:.1f} | {single}/{len(one.single)}"
               f" | {batched}/{len(one.batch)} |")
         ok &= single == len(one.single) and batched == len(one.batch)
     if dtype != "float32":  # partial sums in another order: near ties may go the other way

@@ -32,6 +32,7 @@ from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
 from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
+from tierserve.engine.worker.tp_tiers import TPTierWorker
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
 from tierserve.engine.worker.quant import QuantizationError, check_mode, gguf_covers
 from tierserve.kernels.native import cpu_has, fused_ops
@@ -196,8 +197,12 @@ class LLMEngine:
 
     def _size_gpu_cache(self, block_bytes: int, model_len: int) -> int:
         """Profile a full step, then give the KV cache what gpu_memory_utilization leaves."""
-        kv_bytes = measure_gpu_kv_bytes(self.runner, self.config.gpu_memory_utilization)
-        num_blocks = kv_bytes // block_bytes
+        if isinstance(self.runner, TPExecutor):  # each rank sizes its own GPU's cache
+            num_blocks = self.runner.gpu_blocks(self.config.gpu_memory_utilization)
+            kv_bytes = num_blocks * block_bytes
+        else:
+            kv_bytes = measure_gpu_kv_bytes(self.runner, self.config.gpu_memory_utilization)
+            num_blocks = kv_bytes // block_bytes
         if num_blocks < 1:
             raise DeviceError(f"KV cache of {kv_bytes} bytes holds no block of {block_bytes} bytes; "
                               "raise --gpu-memory-utilization")
@@ -262,6 +267,13 @@ class LLMEngine:
     def _connector(self, tiers: TierConfig | None):
         if tiers is None:
             return NoKVConnector(), NoKVWorker()
+        if isinstance(self.runner, TPExecutor):  # each rank moves its own shard (tp_tiers.py)
+            worker = TPTierWorker(self.runner, tiers, self.fingerprint)
+            kv = KVConnectorScheduler(worker.manager.descriptors(), self.config.cache.block_size,
+                                      worker.manager.layout.block_bytes, self.pool)
+            worker.cost = kv.cost
+            log.info("KV tiers: %s, a shard per tensor-parallel rank", describe_tiers(tiers))
+            return kv, worker
         manager = TierManager(tiers, self.fingerprint, self.runner.block_shape,
                               self.runner.kv_dtype)
         kv = KVConnectorScheduler(manager.descriptors(), self.config.cache.block_size,
@@ -546,12 +558,6 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     """The settings tensor parallel runs with, or a one-line ValueError for what it cannot run
     yet (docs/parallel.md)."""
     size = config.tensor_parallel_size
-    refused = [name for name, on in (
-        ("cuda_graphs", config.cuda_graphs), ("prefill_bf16", config.prefill_bf16),
-    ) if on]
-    if refused:
-        raise ValueError(f"tensor_parallel_size {size} does not run with {', '.join(refused)} "
-                         "yet (docs/parallel.md)")
     if config.device.startswith("cuda") and size > torch_cuda_count():
         raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; "
                          f"{torch_cuda_count()} visible")

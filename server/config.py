@@ -42,9 +42,9 @@ class ServerConfig:
     else none). CPU and float32 only so far; GET /v1/backends shows the kernels and the weight
     bytes."""
     prefill_bf16: bool = False
-    """Prefill batches (64 tokens or more) multiply the linear layers in bf16 on AMX's tiles
-    (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster prefill,
-    not the fp32 path's bits: off by default (docs/quantization.md)."""
+    """Prefill batches (64 tokens or more) run the linear layers and attention in bf16 on AMX's
+    tiles (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster
+    prefill, not the fp32 path's bits: off by default (docs/quantization.md)."""
     tensor_parallel_size: int = 1
     """Shard the model over this many worker processes joined by torch.distributed (vLLM's
     flag; gloo on the CPU, where the threads are split between the ranks; nccl on CUDA, one GPU

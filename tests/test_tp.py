@@ -77,6 +77,12 @@ def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
     try:
         assert _tokens(two, prompts) == want
         assert two.engine.info.tensor_parallel_size == 2
+        # what a GPU start does once every rank has profiled its memory: the ranks' caches made
+        # again for the agreed block count (the prefix cache forgets the old ones)
+        ex, before = two.engine.runner, two.engine.runner.kv_bytes
+        ex.allocate_kv(two.engine.pool.num_blocks, two.engine.max_model_len)
+        two.engine.pool.reset_prefix_cache()
+        assert ex.kv_bytes == before and _tokens(two, prompts) == want
     finally:
         two.engine.close()
 
@@ -97,6 +103,11 @@ def test_tp3_embedded_model_equals_tp1(llm, varied_prompts):
 
 
 def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids, tmp_path):
+    """Each rank writes and reads its own shard of a block, in a folder of its own (the key
+    names rank and world size); what the server reports (events, counters) comes from them."""
+    from tierserve.engine.kv_tiers.events import BlockStored
+    from tierserve.engine.worker.tp_tiers import rank_fingerprint
+
     prompt = corpus_ids[:160]
     tiers = dict(kv_tiers="disk", disk_tier_dir=str(tmp_path / "kv"))
     first = LLM(tiny_llama, tensor_parallel_size=2, **tiers, **SMALL)
@@ -104,9 +115,23 @@ def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids,
         (a,) = first.generate([prompt], GREEDY)
         (b,) = first.generate([prompt], GREEDY)  # the device prefix cache
         assert b.num_cached_tokens >= 144 and b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert first.engine.kv_worker.manager.flush()  # the disk writes are done
+        manager = first.engine.kv_worker.manager
+        assert manager.flush()  # every rank's disk writes are done
+        stored = [h for e in manager.events.since(0).events if isinstance(e.event, BlockStored)
+                  for h in e.event.block_hashes]
+        assert len(stored) >= 9  # rank 0's events, relayed: the prompt's full blocks
+        disk = manager.stats()["disk"]
+        assert disk.stored_blocks == len(stored)
+        fp = first.engine.fingerprint
     finally:
         first.engine.close()
+    folders = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert folders == sorted(rank_fingerprint(fp, r, 2).hex() for r in range(2))
+    for name in folders:  # a shard: one KV head of two, so half a block's bytes (+ a header)
+        files = list((tmp_path / "kv" / name).rglob("*.safetensors"))
+        assert len(files) == len(stored)
+        assert all(disk.bytes_stored / 2 / len(stored) <= f.stat().st_size
+                   < disk.bytes_stored / len(stored) for f in files)
     second = LLM(tiny_llama, tensor_parallel_size=2, **tiers, **SMALL)  # a cold device cache
     try:
         (c,) = second.generate([prompt], GREEDY)
@@ -120,7 +145,6 @@ def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids,
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(tensor_parallel_size=2), "its 9 query heads do not divide by 2"),
-    (dict(tensor_parallel_size=3, prefill_bf16=True), "does not run with prefill_bf16"),
 ])
 def test_what_tensor_parallel_refuses(kwargs, words):
     with pytest.raises(ValueError, match=words) as e:
@@ -225,6 +249,32 @@ def test_sparse_decode_per_rank_equals_tp1(corpus_ids):
         assert 0 < stats.blocks_attended < stats.blocks_total
     finally:
         three.engine.close()
+
+
+def test_prefill_bf16_runs_on_every_rank(llm):
+    """--prefill-bf16 under TP=3: each rank's prefill linears and attention in bf16 on AMX keep
+    issue 31's bound against the fp32 path (teacher-forced, real text); without AMX the start
+    stops in one line."""
+    from pathlib import Path
+
+    from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
+    from tierserve.kernels.native import cpu_has
+
+    if not cpu_has("amx_bf16"):
+        with pytest.raises(ValueError, match="AMX") as e:
+            LLM(tensor_parallel_size=3, prefill_bf16=True, **SMALL)
+        assert "\n" not in str(e.value)
+        return
+    text = (Path(__file__).parent / "data" / "long_text.md").read_text()
+    ids = llm.get_tokenizer().encode(text)[:1100]
+    ref = score(llm, ids)
+    three = LLM(tensor_parallel_size=3, prefill_bf16=True, **{**SMALL, "quantization": "auto"})
+    try:
+        test = score(three, ids)
+    finally:
+        three.engine.close()
+    assert 0.98 <= agreement(test, ref) < 1.0  # bf16's rounding: close, not the same bits
+    assert abs(perplexity_change(test, ref)) < 0.01
 
 
 def test_a_rank_that_cannot_load_stops_the_start_with_its_error(llm):

@@ -2,11 +2,11 @@
 nccl on CUDA), each holding a Megatron-style shard of the model and of the KV cache.
 
     main process                         rank r of N (a spawned process)
-    scheduler, tokenizer, tiers,         ModelRunner over the shard: its heads' KV cache, its own
-    server; TPExecutor (the runner's     attention route; all-reduce after o_proj and down_proj,
-    face) -- one StepMessage a step -->  vocab-parallel embedding (all-reduce) and LM head (all-
-                                         gather), so every rank has the logits and samples the
-                  <-- rank 0's StepResult same tokens; rank 0's go back
+    scheduler, tokenizer, the tiers'     ModelRunner over the shard: its heads' KV cache, its
+    scheduler side, server; TPExecutor   own attention route, its tier shards; all-reduce after
+    (the runner's face)                  o_proj and down_proj, vocab-parallel embedding (all-
+        -- one StepMessage a step -->    reduce) and LM head (all-gather), so every rank has
+        <-- rank 0's StepResult          the logits and samples the same tokens
 
 Sharding at load (shard_model): q/k/v by heads (column-parallel; KV heads with the query heads
 that read them, replicated when N exceeds the KV heads), o_proj by its input columns (row-
@@ -19,6 +19,9 @@ ids, proposals and the output tokens the workers have not seen (a request's prom
 parameters go once, when it is first scheduled); finished requests are dropped by id. Workers keep
 a mirror Request per request id, which is all the runner reads.
 
+The KV tiers: each rank stores and loads its own shard of every block under a key space named by
+its rank and the world size; the main process keeps the tiers' scheduler side (tp_tiers.py).
+
 Faults: the executor waits for rank 0's answer while checking every process; a rank that exits
 (or reports an error) raises WorkerDied, which stops the engine loop; workers exit when their
 pipe closes, so none outlives the main process.
@@ -26,9 +29,10 @@ pipe closes, so none outlives the main process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import io
 import logging
+import math
 import os
 import secrets
 import socket
@@ -280,7 +284,7 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_bloc
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    _serve(rank, runner, conn)
+    _serve(rank, size, runner, conn)
 
 
 def main() -> None:
@@ -303,32 +307,63 @@ def _describe(runner) -> dict:
             "routes": dict(runner.routes),
             "kv_dtype": runner.kv_dtype, "weight_bytes": runner.weight_bytes,
             "kv_bytes": runner.kv_bytes, "block_shape": runner.block_shape,
-            "quant_kinds": dict(runner.quant_kinds)}
+            "quant_kinds": dict(runner.quant_kinds),
+            "graph_reserved_blocks": runner.graph_reserved_blocks}
 
 
-def _serve(rank: int, runner, conn) -> None:
+def _serve(rank: int, size: int, runner, conn) -> None:
     mirrors: dict[str, Request] = {}
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):  # the main process is gone
-            return
-        try:
-            if kind == "stop":
+    tiers = None
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # the main process is gone
                 return
-            if kind == "step":
-                result = runner.execute(_scheduler_output(payload, mirrors))
-                if rank == 0:
-                    conn.send(("ok", (result, runner.sparse.stats)))
-            elif kind == "gather":
-                conn.send(("ok", _tensor_bytes(runner.gather_blocks(payload))))
-            elif kind == "write":
-                ids, data = payload
-                runner.write_blocks(ids, _bytes_tensor(data))
-                conn.send(("ok", None))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-            return
+            try:
+                if kind == "stop":
+                    return
+                if kind == "step":
+                    result = runner.execute(_scheduler_output(payload, mirrors))
+                    if rank == 0:
+                        conn.send(("ok", (result, runner.sparse.stats)))
+                elif kind == "gpu_blocks":
+                    from tierserve.engine.worker.device import measure_gpu_kv_bytes
+
+                    block = math.prod(runner.block_shape) * runner.kv_dtype.itemsize
+                    conn.send(("ok", measure_gpu_kv_bytes(runner, payload) // block))
+                elif kind == "graphs":
+                    torch.distributed.all_reduce(torch.zeros(1, device=runner.device))
+                    torch.cuda.synchronize(runner.device)  # NCCL's communicator made, not captured
+                    runner.capture_graphs(payload)
+                    conn.send(("ok", None))
+                elif kind == "allocate":
+                    runner.allocate_kv(*payload)
+                    conn.send(("ok", runner.kv_bytes))
+                elif kind == "kv_tiers":
+                    tiers, answer = _rank_tiers(runner, *payload, rank, size)
+                    conn.send(("ok", answer))
+                elif kind.startswith("kv_"):
+                    answer = tiers.handle(kind, payload)
+                    if answer is not None:
+                        conn.send(("ok", answer))
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+                return
+    finally:
+        if tiers is not None:
+            tiers.close()
+
+
+def _rank_tiers(runner, config, fingerprint: bytes, rank: int, size: int):
+    """This rank's tiers, or the reason they cannot start (the main process raises it)."""
+    from tierserve.engine.worker.tp_tiers import RankTiers
+
+    try:
+        tiers = RankTiers(runner, config, fingerprint, rank, size)
+    except (ValueError, OSError) as e:
+        return None, {"error": f"tensor-parallel rank {rank}: KV tiers: {e}"}
+    return tiers, tiers.describe()
 
 
 def _scheduler_output(msg: StepMessage, mirrors: dict[str, Request]) -> SchedulerOutput:
@@ -369,8 +404,6 @@ class _Backend:
 class TPExecutor:
     """What the engine calls in place of a ModelRunner when tensor_parallel_size > 1."""
 
-    graph_reserved_blocks = 0
-
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
                  max_model_len: int, size: int, threads: int):
         check_shardable(model_cfg, size)
@@ -386,6 +419,9 @@ class TPExecutor:
         self._conns = []
         self._pending: list[list] = [[] for _ in range(size)]
         """Replies received while waiting for another rank's."""
+        self._lock = threading.RLock()
+        """One exchange with the ranks at a time: the step loop's, or a reader's poll of the
+        tiers' events and counters (tp_tiers.py)."""
         port = _free_port()
         try:
             for rank in range(size):
@@ -405,10 +441,12 @@ class TPExecutor:
         self.weight_bytes = sum(i["weight_bytes"] for i in infos)
         self.quant_kinds = first["quant_kinds"]
         self.kv_bytes = sum(i["kv_bytes"] for i in infos)
+        self.graph_reserved_blocks = first["graph_reserved_blocks"]
+        """The decode graphs' scratch block (CUDA graphs on: every rank keeps one)."""
         shape = first["block_shape"]
-        self.local_kv_heads = shape[2]
         self.block_shape = (shape[0], shape[1], shape[2] * size, *shape[3:])
-        """One block's KV for every layer and every rank's heads, rank by rank."""
+        """One block's KV for every layer and every rank's heads, rank by rank (what the ranks'
+        tier shards of a block add up to: the cost model's block bytes)."""
         self.sparse = _SparseStats()
         self._sent: dict[RequestId, tuple[Request, int]] = {}
         log.info("tensor parallel: %d ranks (%s), %d threads each, backend %s", size,
@@ -420,34 +458,62 @@ class TPExecutor:
     def execute(self, out: SchedulerOutput, constrain=None):
         """The step on every rank; rank 0's StepResult. `constrain` is not applied: the engine
         refuses structured outputs under tensor parallel (LLMEngine.check_prompt)."""
-        self._send_all(("step", self._message(out)))
-        result, self.sparse.stats = self._answer(0)
+        with self._lock:
+            self._send_all(("step", self._message(out)))
+            result, self.sparse.stats = self._answer(0)
         return result
 
     def capture_graphs(self, pool_blocks: int) -> None:
-        pass
+        """Every rank captures its decode graphs (its collectives inside them: NCCL's calls are
+        captured like kernels), in lockstep; each replays one whenever the others do, since they
+        all decide from the same step message."""
+        if self.graph_reserved_blocks:
+            self.request_all(("graphs", pool_blocks))
+
+    def gpu_blocks(self, utilization: float) -> int:
+        """KV blocks for the GPU cache: each rank profiles a full step on its own GPU and applies
+        gpu_memory_utilization (engine/worker/device.py); the tightest rank decides."""
+        return min(self.request_all(("gpu_blocks", utilization)))
 
     def allocate_kv(self, num_blocks: int, max_model_len: int) -> None:
-        raise NotImplementedError("GPU memory profiling under tensor parallel: give "
-                                  "kv_cache_memory_bytes or num_blocks")
+        """Every rank's cache (re)made for num_blocks blocks of its heads."""
+        self.kv_bytes = sum(self.request_all(("allocate", (num_blocks, max_model_len))))
 
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        self._send_all(("gather", block_ids))
-        return torch.cat([_bytes_tensor(self._answer(r)) for r in range(self.size)], dim=3)
+    # ---- the KV tiers' channel (tp_tiers.py: each rank moves its own shard) --------------------
 
-    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        for rank, part in enumerate(blocks.split(self.local_kv_heads, dim=3)):
-            self._send(rank, ("write", (block_ids, _tensor_bytes(part))))
-        for rank in range(self.size):
-            self._answer(rank)
+    def send_all(self, msg) -> None:
+        """A message every rank acts on without answering (in order with the steps)."""
+        with self._lock:
+            self._send_all(msg)
+
+    def request_all(self, msg) -> list:
+        """Every rank's answer to `msg`."""
+        with self._lock:
+            self._send_all(msg)
+            answers = [self._answer(r, START_TIMEOUT_S) for r in range(self.size)]
+        failed = next((a["error"] for a in answers if isinstance(a, dict) and "error" in a), None)
+        if failed:
+            raise ValueError(failed)
+        return answers
+
+    @contextlib.contextmanager
+    def exchange(self, block: bool = True):
+        """Hold the channel (yields False when block is False and someone else holds it)."""
+        held = self._lock.acquire(blocking=block)
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()
 
     def close(self) -> None:
-        for rank in range(self.size):
-            try:
-                self._send(rank, ("stop", None))
-            except WorkerDied:
-                pass
-        self._kill(grace=5.0)
+        with self._lock:
+            for rank in range(self.size):
+                try:
+                    self._send(rank, ("stop", None))
+                except WorkerDied:
+                    pass
+            self._kill(grace=5.0)
 
     def _kill(self, grace: float = 0.0) -> None:
         for proc in self._procs:
@@ -549,18 +615,6 @@ def _accept(listener, procs: list[subprocess.Popen], timeout: float):
         if time.monotonic() > deadline:
             raise WorkerDied(f"tensor-parallel workers did not connect in {timeout:g} s")
     return result[0]
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor by value (a pickled tensor would travel as a shared-memory handle that only a
-    multiprocessing child can open)."""
-    buf = io.BytesIO()
-    torch.save(t.detach().cpu().contiguous(), buf)
-    return buf.getvalue()
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _free_port() -> int:
