@@ -143,6 +143,25 @@ def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids,
     assert d.num_cached_tokens == 0 and d.outputs[0].token_ids == a.outputs[0].token_ids
 
 
+def test_cpu_tier_per_rank_takes_back_what_the_device_evicted(tiny_llama, corpus_ids):
+    """Blocks the device cache evicts go to each rank's own cpu tier (its shard, in its memory)
+    and come back from there: a prompt pushed out by two others is served from the tier."""
+    kw = {**SMALL, "kv_cache_memory_bytes": None, "num_blocks": 24}
+    llm = LLM(tiny_llama, tensor_parallel_size=2, kv_tiers="cpu", **kw)
+    try:
+        a, b, c = (corpus_ids[i:i + 160] for i in (0, 400, 800))
+        (first,) = llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)  # a's blocks are evicted from the device by now
+        (again,) = llm.generate([a], GREEDY)
+        assert again.num_cached_tokens >= 144
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        cpu = llm.engine.kv_worker.manager.stats()["cpu"]
+        assert cpu.loaded_blocks == cpu.hit_blocks >= 4  # the rest still on the device
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(tensor_parallel_size=2), "its 9 query heads do not divide by 2"),
 ])

@@ -224,17 +224,22 @@ class TPTierWorker:
 
     # ---- KVConnectorWorker's face --------------------------------------------------------------
 
+    # The bookkeeping below changes only while the channel is held: a reader's thread may poll
+    # the ranks (refresh) between two steps.
+
     def start(self, loads: Sequence[LoadJob]) -> None:
         if loads:
-            self._in_flight.update(j.request_id for j in loads)
-            self._unwritten.update(j.request_id for j in loads)
-            self.ex.send_all(("kv_start", list(loads)))
+            with self.ex.exchange():
+                self._in_flight.update(j.request_id for j in loads)
+                self._unwritten.update(j.request_id for j in loads)
+                self.ex.send_all(("kv_start", list(loads)))
 
     def finished(self) -> list[FetchedRun]:
         """Fetches every rank has finished; a run is as long as the shortest rank's."""
-        if self._in_flight or time.monotonic() - self._last_poll > POLL_INTERVAL_S:
-            self._poll()
-        out, self._done = self._done, []
+        with self.ex.exchange():
+            if self._in_flight or time.monotonic() - self._last_poll > POLL_INTERVAL_S:
+                self._poll()
+            out, self._done = self._done, []
         return out
 
     def wait(self, timeout: float) -> None:
@@ -242,18 +247,20 @@ class TPTierWorker:
             time.sleep(timeout)
 
     def cancel(self, rid: RequestId) -> None:
-        if rid in self._unwritten:  # a rank may hold its fetch, or its KV: dropped there
-            self._in_flight.discard(rid)
-            self._unwritten.discard(rid)
-            self._partial.pop(rid, None)
-            self.ex.send_all(("kv_cancel", rid))
+        with self.ex.exchange():
+            if rid in self._unwritten:  # a rank may hold its fetch, or its KV: dropped there
+                self._in_flight.discard(rid)
+                self._unwritten.discard(rid)
+                self._partial.pop(rid, None)
+                self.ex.send_all(("kv_cancel", rid))
 
     def write(self, placements: Sequence[Placement]) -> None:
         items = [(p.request.request_id, tuple(p.block_ids), tuple(p.promote))
                  for p in placements]
         if items:  # each rank times its own copy in (its measurements come back on a poll)
-            self._unwritten.difference_update(i[0] for i in items)
-            self.ex.send_all(("kv_write", items))
+            with self.ex.exchange():
+                self._unwritten.difference_update(i[0] for i in items)
+                self.ex.send_all(("kv_write", items))
 
     def copy_out(self, jobs: Sequence[BlockCopy]) -> None:
         jobs = [j for j in jobs if j.keys]
@@ -273,14 +280,14 @@ class TPTierWorker:
                 self._poll()
 
     def flush(self, timeout: float) -> bool:
-        with self.ex.exchange(True):
+        with self.ex.exchange():
             answers = self.ex.request_all(("kv_flush", timeout))
-        self._absorb([a[1:] for a in answers])
+            self._absorb([a[1:] for a in answers])
         return all(a[0] for a in answers)
 
     def _poll(self) -> None:
-        with self.ex.exchange(True):
-            answers = self.ex.request_all(("kv_poll", None))
+        """Every rank's finished fetches, measurements, events and counters (channel held)."""
+        answers = self.ex.request_all(("kv_poll", None))
         self._last_poll = time.monotonic()
         self._absorb([a[1:] for a in answers])
         for rank, (done, *_) in enumerate(answers):
