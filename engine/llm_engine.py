@@ -118,7 +118,7 @@ class LLMEngine:
                   and fused_ops() is not None)
         config = dataclasses.replace(config, quantization=resolve_quantization(
             config.quantization, self.device_choice.type, config.dtype,
-            gguf_covers(src.weights, src.blocks), native))
+            gguf_covers(src.weights, src.blocks), native, cuda_capability(config.device)))
         if config.prefill_bf16 and not (self.device_choice.type == "cpu" and cpu_has("amx_bf16")):
             raise ValueError("prefill_bf16 needs a CPU with AMX (amx_bf16 in /proc/cpuinfo); this "
                              f"{self.device_choice.type} has none: leave it off")
@@ -564,6 +564,15 @@ def _tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """The GPU's compute capability, or None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
 def torch_cuda_count() -> int:
     import torch
 
@@ -571,17 +580,23 @@ def torch_cuda_count() -> int:
 
 
 def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool,
-                         native: bool = True) -> str:
+                         native: bool = True, capability: tuple[int, int] | None = None) -> str:
     """--quantization as it will run: auto keeps a GGUF's blocks on the CPU in float32 where
     every decoder linear has blocks the kernels take (has_q4_blocks: quant.gguf_covers) and the
     native kernels are built (they give the fp32 path's bits from a fifth of the bytes), else
-    none; the quantized kernels are CPU-only so far."""
+    none. An explicit mode runs on the CPU in float32, or on CUDA in bfloat16 with compute
+    capability 8.0 or newer (torch's tinygemm int4 kernel; `capability`: the GPU's)."""
     check_mode(mode)
     here = device_type == "cpu" and dtype == "float32"
     if mode == "auto":
         return "gguf" if here and has_q4_blocks and native else "none"
-    if mode != "none" and not here:
-        raise QuantizationError(f"quantization {mode} runs on the CPU with dtype float32 only so "
-                                "far (torch's CUDA weight-only kernels are not wired in yet); "
-                                "use none")
+    if mode == "none" or here:
+        return mode
+    if device_type != "cuda" or dtype != "bfloat16":
+        raise QuantizationError(f"quantization {mode} runs on the CPU with dtype float32 or on "
+                                f"CUDA with bfloat16, not {device_type} with {dtype}; use none")
+    if capability is not None and capability < (8, 0):
+        raise QuantizationError(f"quantization {mode} on CUDA needs compute capability 8.0 or "
+                                f"newer (torch's int4 kernel); this GPU has "
+                                f"{capability[0]}.{capability[1]}: use none")
     return mode

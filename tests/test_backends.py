@@ -120,3 +120,4 @@ def test_gpu_check_dry_run(capsys):
     out = capsys.readouterr().out
     assert "| torch_sdpa | h9/kv3/d64/p16 | mixed | fp8_e4m3 |" in out
     assert "| tiny | greedy agreement routed vs torch_sdpa | 1 |" in out
+    assert "| quantization (float32) |" in out and "\n| int4 | 110 | " in out  # issue 31's row

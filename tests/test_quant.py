@@ -161,8 +161,11 @@ def gguf_llm() -> LLM:
 def test_refusals_name_the_tensor_and_the_mode(source):
     with pytest.raises(QuantizationError, match="model.layers.0.mlp.up_proj.weight"):
         gguf_weight(["model.layers.0.mlp.up_proj.weight"], {})
-    with pytest.raises(QuantizationError, match="CPU"):
-        resolve_quantization("gguf", "cuda", "bfloat16", True)
+    with pytest.raises(QuantizationError, match="CUDA with bfloat16, not cuda with float16"):
+        resolve_quantization("gguf", "cuda", "float16", True)
+    with pytest.raises(QuantizationError, match="compute capability 8.0 or newer.*7.5"):
+        resolve_quantization("int4", "cuda", "bfloat16", True, capability=(7, 5))
+    assert resolve_quantization("int8", "cuda", "bfloat16", True, capability=(9, 0)) == "int8"
     with pytest.raises(QuantizationError, match="int2"):
         resolve_quantization("int2", "cpu", "float32", True)
     assert resolve_quantization("auto", "cpu", "float32", True) == "gguf"
@@ -272,3 +275,30 @@ def test_the_kernels_avx2_path_gives_the_fp32_bits_too():
     out = subprocess.run([sys.executable, "-c", _OTHER_LEVEL], env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_cuda_int4_operands_hold_the_groups(source):
+    """What the CUDA path hands torch's tinygemm kernel (CUDA's pack itself needs a GPU:
+    bench/gpu_check.py --checks runs it): codes two to a byte with the even column in the high
+    nibble, and per group (scale, zero) with w = (q - 8) scale + zero, [in / 32, out, 2] bf16.
+    Decoded by that rule they give the groups' weights (up to bf16 scales); a swapped nibble
+    order or a transposed scale table does not."""
+    from tierserve.engine.worker.quant import cuda_int4_operands
+
+    g = blocks_to_groups(source.blocks["model.layers.2.mlp.down_proj.weight"])
+    pairs, sz = cuda_int4_operands(g)
+    n, k = g.codes.shape
+    assert pairs.dtype == torch.uint8 and pairs.shape == (n, k // 2)
+    assert sz.dtype == torch.bfloat16 and sz.shape == (k // GROUP, n, 2)
+
+    def decode(pairs, sz):
+        q = torch.stack([pairs >> 4, pairs & 15], -1).view(n, k).float()
+        scale, zero = sz[..., 0].t().float(), sz[..., 1].t().float()
+        return ((q.view(n, -1, GROUP) - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+    want = g.dequantize()
+    got = decode(pairs, sz)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bf16 scales and zeros
+    swapped = (pairs << 4) | (pairs >> 4)
+    assert (decode(swapped, sz) - want).abs().max() > 0.1 * want.abs().max()
+

@@ -157,7 +157,8 @@ class ModelRunner:
         model.load_weights(weights)
         if self.config.quantization != "none":
             self.quant_kinds = quantize_model(model, self.config.quantization, blocks,
-                                              native=self.native is not None)
+                                              native=self.native is not None,
+                                              device=self.device, dtype=self.dtype)
         for p in model.parameters():  # buffers (the RoPE table) stay fp32
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         return model.to(self.device).eval()

@@ -10,6 +10,10 @@
     int8   any fp32 weight, 8 bits in groups of 32        as gguf's Q8_0
            (symmetric, as GGUF's Q8_0)
 
+On CUDA (bfloat16, compute capability 8.0 or newer) the same groups run on torch's tinygemm
+kernel, `_weight_int4pack_mm` (codes two to a byte, `_convert_weight_to_int4pack`); 8-bit groups
+as two such 4-bit planes; the embedding's lookups read the 8-bit codes kept beside them.
+
 The native kernels (kernels/csrc/quant_linear.cpp) decode the weights to fp32 as they use them
 and multiply in the fp32 path's own order, so `gguf` gives what `none` gives on the same file,
 to the bit; they run in the one-call decode stack too (decode_forward.cpp takes their codes and
@@ -130,6 +134,7 @@ class QuantWeight:
     None, bias or None) -> x W^T + b."""
 
     nbytes: int
+    device = torch.device("cpu")
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         raise NotImplementedError
@@ -167,6 +172,25 @@ def _from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
 
+def _inner_k_tiles(k: int) -> int:
+    """tinygemm's k tiling on CUDA: the largest of 8, 4, 2 whose tile (16 of them) divides k."""
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise QuantizationError(f"an input width of {k} does not split into tinygemm's k tiles "
+                            "(a multiple of 32); use none")
+
+
+def cuda_int4_operands(g: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA int4 kernel's operands before `_convert_weight_to_int4pack`: codes two to a byte,
+    [out, in / 2] uint8 with the even column in the high nibble, and scales and zeros
+    [in / 32, out, 2] bf16 of w = (q - 8) s + zero (tinygemm's form: zero = m + 8 s)."""
+    c = g.codes.to(torch.uint8)
+    pairs = ((c[:, 0::2] << 4) | c[:, 1::2]).contiguous()
+    zero = g.offset + 8 * g.scale
+    return pairs, torch.stack([g.scale.t(), zero.t()], -1).contiguous().to(torch.bfloat16)
+
+
 class Int4Weight(QuantWeight):
     """Two kernels over the same groups: the native extension's q4_linear (panel order, below;
     the weights decoded to fp32 as they are used, the fp32 path's order of arithmetic) when
@@ -177,17 +201,28 @@ class Int4Weight(QuantWeight):
     (j, i) of panel p, block b holding row 16p + i's codes at 32b + j (low nibble) and
     32b + 16 + j (high); d and z (the offset) [n / 16, in / 32, 16] fp32."""
 
-    def __init__(self, g: Int4Groups, native: bool = False):
+    def __init__(self, g: Int4Groups, native: bool = False, device=None):
         self.out_features = g.codes.shape[0]
         self.groups: Int4Groups | None = g
-        self.native = native
+        self.device = torch.device(device or "cpu")
+        self.native = native and self.device.type == "cpu"
         self.codes = self.d = self.z = None
         self.packed = self.scales_zeros = None
         self._pack()
 
     def _pack(self) -> None:
         g = self.groups
-        if self.native:
+        if self.device.type == "cuda":  # tinygemm (module docstring)
+            n, k = g.codes.shape
+            if n % 8:
+                raise QuantizationError(f"{n} output rows: torch's CUDA int4 kernel takes a "
+                                        "multiple of 8; use none")
+            pairs, sz = cuda_int4_operands(g)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(self.device),
+                                                                     _inner_k_tiles(k))
+            self.scales_zeros = sz.to(self.device)
+            self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
+        elif self.native:
             n, k = g.codes.shape
             c = _panel_rows(g.codes.to(torch.uint8)).view(-1, PANEL, k // GROUP, 2, 16)
             c = c.permute(0, 2, 4, 1, 3)  # [panels, blocks, j, i, half]
@@ -218,12 +253,18 @@ class Int4Weight(QuantWeight):
         return Int4Groups(codes.int(), _from_panels(self.d, n), _from_panels(self.z, n))
 
     def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
+        if self.device.type == "cuda":
+            raise QuantizationError("decoding an int4 weight on CUDA: not supported")
         if self.codes is not None and ops is not None:
             return ops.q4_decode(self.codes, self.d, self.z, self.out_features, bf16)
         w = self.unpack().dequantize() if self.codes is not None else _torch_int4_rows(self)
         return w.to(torch.bfloat16) if bf16 else w
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
+        if self.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.packed,
+                                                   GROUP, self.scales_zeros).to(x.dtype)
+            return y if bias is None else y + bias
         if self.codes is not None and ops is not None:
             return ops.q4_linear(x.float(), self.codes, self.d, self.z, self.out_features, bias)
         if self.packed is None:  # the native path was turned off: torch's packing, once
@@ -243,11 +284,14 @@ class Int8GroupWeight(QuantWeight):
     of two int4 GEMMs (group 32). Either way the weights are exactly the groups', and rows(ids)
     decodes the bytes the head reads, so a tied embedding costs nothing more."""
 
-    def __init__(self, g: Int8Groups, native: bool = False):
+    def __init__(self, g: Int8Groups, native: bool = False, device=None):
         self.out_features = g.q.shape[0]
-        self.native = native
+        self.device = torch.device(device or "cpu")
+        self.native = native and self.device.type == "cpu"
         self.q8 = self.d = self.z = self.hi = self.lo = self.offset = None
-        if native:
+        self.cuda_rows: Int8Groups | None = None
+        """On CUDA: the 8-bit codes (and scales) the embedding's lookups read."""
+        if self.native:
             codes = g.q.to(torch.int8 if g.offset is None else torch.uint8)
             self.q8 = _panel_rows(codes).transpose(1, 2).contiguous()
             self.d = _scales_in_panels(g.scale)
@@ -262,13 +306,21 @@ class Int8GroupWeight(QuantWeight):
         s = g.scale
         self.offset = g.offset  # kept for rows() (the planes hold it in bf16)
         self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, -128 * s if g.offset is None
-                                        else g.offset))
-        self.lo = Int4Weight(Int4Groups(u & 15, s, torch.zeros_like(s)))
+                                        else g.offset), device=self.device)
+        self.lo = Int4Weight(Int4Groups(u & 15, s, torch.zeros_like(s)), device=self.device)
         self.nbytes = self.hi.nbytes + self.lo.nbytes + (0 if g.offset is None
                                                           else g.offset.nbytes)
         self.q8 = self.d = self.z = None
         self.native = False
-        _check_pack_layout()
+        if self.device.type == "cuda":
+            self.cuda_rows = Int8Groups(g.q.to(torch.uint8 if g.offset is not None
+                                               else torch.int8).to(self.device),
+                                        g.scale.to(self.device),
+                                        None if g.offset is None else g.offset.to(self.device))
+            self.offset = None if g.offset is None else self.cuda_rows.offset
+            self.nbytes += self.cuda_rows.q.nbytes + self.cuda_rows.scale.nbytes
+        else:
+            _check_pack_layout()
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
@@ -282,6 +334,8 @@ class Int8GroupWeight(QuantWeight):
 
     def tensors(self) -> list[torch.Tensor]:
         own = [t for t in (self.q8, self.d, self.z, self.offset) if t is not None]
+        if self.cuda_rows is not None:
+            own += [self.cuda_rows.q, self.cuda_rows.scale]
         return own + (self.hi.tensors() + self.lo.tensors() if self.hi is not None else [])
 
     def stack_parts(self):
@@ -296,6 +350,11 @@ class Int8GroupWeight(QuantWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""
         ids = ids.long()
+        if self.cuda_rows is not None:
+            c = self.cuda_rows
+            q = c.q[ids].float().view(len(ids), -1, GROUP)
+            y = q * c.scale[ids][..., None]
+            return (y if c.offset is None else y + c.offset[ids][..., None]).view(len(ids), -1)
         if self.q8 is not None:
             q = self.q8[ids // PANEL, :, ids % PANEL].float().view(len(ids), -1, GROUP)
             d = self.d[ids // PANEL, :, ids % PANEL][..., None]
@@ -388,7 +447,8 @@ def gguf_covers(weights: dict, blocks: dict) -> bool:
     return bool(fused) and all(len(kinds) == 1 for kinds in fused.values())
 
 
-def gguf_weight(names: list[str], blocks: dict, native: bool = False) -> QuantWeight:
+def gguf_weight(names: list[str], blocks: dict, native: bool = False,
+                device=None) -> QuantWeight:
     """The file's own blocks of these tensors (fused along the output), on their kernel."""
     missing = [n for n in names if n not in blocks]
     if missing:
@@ -401,23 +461,25 @@ def gguf_weight(names: list[str], blocks: dict, native: bool = False) -> QuantWe
     groups = [blocks_to_groups(blocks[n]) for n in names]
     if kinds == {"Q8_0"}:
         return Int8GroupWeight(Int8Groups(torch.cat([g.q for g in groups]),
-                                          torch.cat([g.scale for g in groups])), native)
-    return Int4Weight(Int4Groups.cat(groups), native)
+                                          torch.cat([g.scale for g in groups])), native, device)
+    return Int4Weight(Int4Groups.cat(groups), native, device)
 
 
 class QuantEmbedding(torch.nn.Module):
     """An embedding table held as an Int8GroupWeight: each lookup decodes the rows it takes."""
 
-    def __init__(self, weight: Int8GroupWeight):
+    def __init__(self, weight: Int8GroupWeight, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.table = weight
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(ids)
+        return self.table.rows(ids).to(self.dtype)
 
 
 def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
-                   native: bool = False) -> dict[str, str]:
+                   native: bool = False, device=None,
+                   dtype: torch.dtype = torch.float32) -> dict[str, str]:
     """Swap the model's linear weights (and its embedding and LM head) for quantized ones, in
     place; returns which kernel each kind of layer runs (for the start-up log and /v1/backends).
 
@@ -427,18 +489,20 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
     kinds: dict[str, str] = {}
     for lin, names in model.linear_sources():
         if mode == "gguf":
-            lin.quantize(gguf_weight(names, blocks, native))
+            lin.quantize(gguf_weight(names, blocks, native, device))
         elif mode == "int4":
-            lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native))
+            lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native, device))
         else:
-            lin.quantize(Int8GroupWeight(quantize_int8_groups(lin.weight.detach()), native))
+            lin.quantize(Int8GroupWeight(quantize_int8_groups(lin.weight.detach()), native,
+                                         device))
         q = lin._quant
         kinds[type(q).__name__] = _kernel(q)
-    embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks, native)
+    embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks, native,
+                   device)
     head = embed if model.config.tie_word_embeddings else _table(
-        mode, "lm_head.weight", model.lm_head.weight, blocks, native)
+        mode, "lm_head.weight", model.lm_head.weight, blocks, native, device)
     model.lm_head.quantize(head)
-    model.embed_tokens = QuantEmbedding(embed)
+    model.embed_tokens = QuantEmbedding(embed, dtype)
     kinds["lm_head"] = _kernel(head) + (" (tied: the embedding reads the same bytes)"
                                                if head is embed else "")
     return kinds
@@ -454,19 +518,23 @@ _KERNELS: dict[type, str] = {
 
 
 def _kernel(q: QuantWeight) -> str:
+    if q.device.type == "cuda":
+        return ("int4 groups of 32 (_weight_int4pack_mm, CUDA tinygemm)"
+                if isinstance(q, Int4Weight) else
+                "int8 groups of 32 (two int4 planes on _weight_int4pack_mm, CUDA)")
     if getattr(q, "native", False):
         return _NATIVE_INT8 if isinstance(q, Int8GroupWeight) else _NATIVE_INT4
     return _KERNELS[type(q)]
 
 
 def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict,
-           native: bool) -> Int8GroupWeight:
+           native: bool, device=None) -> Int8GroupWeight:
     """The embedding (and LM head): 8-bit groups of 32 (the file's own Q8_0 blocks in gguf mode
     when it has them); one scale per row lost too much: 95% top-1 agreement against 98.7%."""
     b = blocks.get(name) if mode == "gguf" else None
     if b is not None and b.kind == "Q8_0":
-        return Int8GroupWeight(blocks_to_groups(b), native)
-    return Int8GroupWeight(quantize_int8_groups(weight.detach()), native)
+        return Int8GroupWeight(blocks_to_groups(b), native, device)
+    return Int8GroupWeight(quantize_int8_groups(weight.detach()), native, device)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
