@@ -390,9 +390,6 @@ class LLMEngine:
             raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) plus the prompt "
                              f"({len(ids)} tokens) exceeds the context of {self.max_model_len}")
         _check_salt(cache_salt)
-        if params.structured_outputs is not None and self.config.tensor_parallel_size > 1:
-            raise ParamError("response_format", "structured outputs (and forced tool calls) do "
-                             "not run under tensor parallel yet")
 
     def abort_request(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -425,7 +422,7 @@ class LLMEngine:
                     self._grammars.wait(0.02)
             return refused
         started = time.monotonic()
-        result = self.runner.execute(out, self._grammars.mask if self._grammars else None)
+        result = self.runner.execute(out, self._grammars)  # GrammarBook: constrain(logits, ids)
         full = self.scheduler.update(out, result.sampled)
         now = time.monotonic()
         self.kv.observe_step(out.num_batched_tokens, now - started)  # the model's time only

@@ -142,28 +142,49 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(compiled)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Masked tokens' logits to -inf in `rows`. On a GPU xgrammar's kernel. On the CPU the
-        bits unpacked by numpy into an addend of 0 (allowed) and -inf (masked), added in one
-        pass: exact (x + 0 is x), ~60 us a row of a 49K vocabulary where xgrammar's CPU loop
-        and torch's masked_fill took ~170-200 (bench/structured.py)."""
-        v = self.vocab_size
-        if logits.device.type != "cpu":
-            self._xgr.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device, non_blocking=True), vocab_size=v, indices=rows)
-            return
-        idx = torch.tensor(rows, dtype=torch.long)
-        bits = np.unpackbits(bitmask[idx].numpy().view(np.uint8), axis=1, bitorder="little")
-        addend = torch.from_numpy(np.take(_ADDEND, bits[:, :v]))
-        if len(rows) == logits.shape[0]:
-            logits[:, :v].add_(addend)
-        else:
-            logits[:, :v].index_add_(0, idx, addend)
+        apply_bitmask(logits, bitmask, rows, self.vocab_size)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                  vocab_size: int) -> None:
+    """Masked tokens' logits to -inf in `rows` (bitmask row i masks logits row i). On a GPU
+    xgrammar's kernel. On the CPU the bits unpacked by numpy into an addend of 0 (allowed) and
+    -inf (masked), added in one pass: exact (x + 0 is x), ~60 us a row of a 49K vocabulary where
+    xgrammar's CPU loop and torch's masked_fill took ~170-200 (bench/structured.py)."""
+    v = vocab_size
+    if logits.device.type != "cpu":
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=v, indices=rows)
+        return
+    idx = torch.tensor(rows, dtype=torch.long)
+    bits = np.unpackbits(bitmask[idx].numpy().view(np.uint8), axis=1, bitorder="little")
+    addend = torch.from_numpy(np.take(_ADDEND, bits[:, :v]))
+    if len(rows) == logits.shape[0]:
+        logits[:, :v].add_(addend)
+    else:
+        logits[:, :v].index_add_(0, idx, addend)
+
+
+def apply_masks(logits: torch.Tensor, request_ids: list[str], masks: dict[str, np.ndarray],
+                vocab_size: int) -> None:
+    """GrammarBook.fill's rows applied to the rows of `logits` whose request has one (a tensor-
+    parallel rank: the main process's matchers filled them)."""
+    rows = [i for i, rid in enumerate(request_ids) if rid in masks]
+    if not rows:
+        return
+    bitmask = torch.full((len(request_ids), len(next(iter(masks.values())))), -1,
+                         dtype=torch.int32)
+    for i in rows:
+        bitmask[i] = torch.from_numpy(masks[request_ids[i]])
+    apply_bitmask(logits, bitmask, rows, vocab_size)
 
 
 class GrammarBook:
@@ -208,20 +229,43 @@ class GrammarBook:
             del self._pending[rid]
         return bad
 
+    @property
+    def vocab_size(self) -> int:
+        return self.compiler.vocab_size
+
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Mask, in place, the rows of `logits` whose request has a matcher."""
         rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
         if not rows:
             return
         t0 = time.perf_counter()
+        bitmask = self._filled(request_ids, rows)
+        self.compiler.apply(logits, bitmask, rows)
+        self._mask_seconds += time.perf_counter() - t0
+        self._masked_rows += len(rows)
+
+    __call__ = mask
+    """The runner's `constrain` (model_runner.Constrain)."""
+
+    def fill(self, request_ids: list[str]) -> dict[str, np.ndarray]:
+        """The next token's bitmask row of each of these requests that has a matcher, without
+        logits (tensor parallel: the ranks apply them to theirs, grammar.apply_masks)."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        bitmask = self._filled(request_ids, rows)
+        self._mask_seconds += time.perf_counter() - t0
+        self._masked_rows += len(rows)
+        return {request_ids[i]: bitmask[i].numpy().copy() for i in rows}
+
+    def _filled(self, request_ids: list[str], rows: list[int]) -> torch.Tensor:
         if self._bitmask.shape[0] < len(request_ids):
             self._bitmask = self.compiler.bitmask(max(len(request_ids), 2 * self._bitmask.shape[0]))
         bitmask = self._bitmask[:len(request_ids)]
         for i in rows:
             self._matchers[request_ids[i]].fill_next_token_bitmask(bitmask, i)
-        self.compiler.apply(logits, bitmask, rows)
-        self._mask_seconds += time.perf_counter() - t0
-        self._masked_rows += len(rows)
+        return bitmask
 
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's matcher; True when the grammar is terminated (it accepted a stop

@@ -252,6 +252,10 @@ class StepMessage:
     num_batched_tokens: int
     dropped: tuple[str, ...] = ()
     """Requests that finished: the workers forget them."""
+    masks: dict = dataclasses.field(default_factory=dict)
+    """Structured outputs: the next token's bitmask row (int32 numpy) per constrained request."""
+    mask_vocab: int = 0
+    """The vocabulary the bitmasks cover (the grammar compiler's)."""
 
 
 # ---- the worker process -------------------------------------------------------------------------
@@ -324,7 +328,8 @@ def _serve(rank: int, size: int, runner, conn) -> None:
                 if kind == "stop":
                     return
                 if kind == "step":
-                    result = runner.execute(_scheduler_output(payload, mirrors))
+                    result = runner.execute(_scheduler_output(payload, mirrors),
+                                            _constrain(payload))
                     if rank == 0:
                         conn.send(("ok", (result, runner.sparse.stats)))
                 elif kind == "gpu_blocks":
@@ -353,6 +358,15 @@ def _serve(rank: int, size: int, runner, conn) -> None:
     finally:
         if tiers is not None:
             tiers.close()
+
+
+def _constrain(msg: StepMessage):
+    """The step's grammar masks as the runner's `constrain` (None when no row has one)."""
+    if not msg.masks:
+        return None
+    from tierserve.engine.worker.grammar import apply_masks
+
+    return lambda logits, ids: apply_masks(logits, ids, msg.masks, msg.mask_vocab)
 
 
 def _rank_tiers(runner, config, fingerprint: bytes, rank: int, size: int):
@@ -456,10 +470,17 @@ class TPExecutor:
     # ---- the runner's face ---------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput, constrain=None):
-        """The step on every rank; rank 0's StepResult. `constrain` is not applied: the engine
-        refuses structured outputs under tensor parallel (LLMEngine.check_prompt)."""
+        """The step on every rank; rank 0's StepResult. Structured outputs: `constrain` (the
+        engine's GrammarBook) fills the constrained rows' bitmasks here, from the matchers this
+        process keeps, and they travel in the message (every rank masks its whole logits)."""
+        masks = {}
+        if constrain is not None:
+            masks = constrain.fill([s.request.request_id for s in out.scheduled if s.samples])
+        msg = self._message(out)
+        if masks:
+            msg = dataclasses.replace(msg, masks=masks, mask_vocab=constrain.vocab_size)
         with self._lock:
-            self._send_all(("step", self._message(out)))
+            self._send_all(("step", msg))
             result, self.sparse.stats = self._answer(0)
         return result
 
