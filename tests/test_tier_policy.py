@@ -146,6 +146,21 @@ def test_a_load_slower_than_recompute_is_skipped_by_cost():
     assert d.skipped == {"s3": SkipReason.COST} and d.load_tiers == ("cpu", "disk")
 
 
+def test_a_tier_skipped_for_cost_is_measured_again_after_a_while():
+    """Skipped for cost, a tier is never read, so its estimate cannot recover (one slow read of
+    a corrupt block would keep it skipped): after 30 s without a sample one load goes through,
+    once, and the skips resume until that load's sample is in."""
+    import time
+
+    p = policy(s3_ms_per_block=100)
+    soon, later = time.monotonic() + 1, time.monotonic() + 31
+    assert p.decide(KVHints(), 125, soon, soon).skipped == {"s3": SkipReason.COST}
+    assert "s3" in p.decide(KVHints(), 125, later, later).load_tiers  # one re-probe
+    assert p.decide(KVHints(), 125, later, later).skipped == {"s3": SkipReason.COST}
+    p.cost.observe_load("s3", BLOCK, 1e-4)  # that load was fast: s3 is back
+    assert "s3" in p.decide(KVHints(), 125, later, later).load_tiers
+
+
 def test_no_load_is_skipped_for_cost_before_a_prefill_is_measured():
     # a restarted server: the probe measured a slow disk, no prefill step has run yet
     cold = policy(s3_ms_per_block=100, prefill_tps=None)

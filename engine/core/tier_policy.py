@@ -83,6 +83,8 @@ class CostModel:
         self._bandwidth: dict[str, Ewma] = {}
         self._copy_in = Ewma(alpha, 0.0)
         self._prefill = Ewma(alpha, prefill_tokens_per_s)
+        self._measured_at: dict[str, float] = {}
+        """time.monotonic() of each tier's last read-rate sample (or last re-probe granted)."""
         self._lock = threading.Lock()
 
     def observe_lookup(self, tier: str, seconds: float) -> None:
@@ -95,6 +97,18 @@ class CostModel:
             return
         with self._lock:
             self._bandwidth.setdefault(tier, Ewma(self.alpha)).add(nbytes / seconds)
+            self._measured_at[tier] = time.monotonic()
+
+    def claim_reprobe(self, tier: str, now: float, after_s: float) -> bool:
+        """True once per `after_s` of no new read-rate sample for `tier`: a tier skipped for
+        cost is never read, so its estimate would never change (one slow read, say of a
+        corrupt block, would keep it skipped for good); the caller lets one load through."""
+        with self._lock:
+            last = self._measured_at.get(tier)
+            if last is None or now - last < after_s:
+                return False
+            self._measured_at[tier] = now
+            return True
 
     def observe_copy_in(self, blocks: int, seconds: float) -> None:
         """Loaded blocks written into the device cache (the step thread's share of a load)."""
@@ -138,8 +152,11 @@ class CostModel:
 
 class TierPolicy:
     def __init__(self, tiers: Sequence[TierDescriptor], cost: CostModel, block_size: int,
-                 remote_min_tokens: int = 512):
+                 remote_min_tokens: int = 512, reprobe_after_s: float = 30.0):
         self.tiers, self.cost, self.block_size = tuple(tiers), cost, block_size
+        self.reprobe_after_s = reprobe_after_s
+        """A tier skipped for cost gets one load after this long without a new read-rate sample
+        (CostModel.claim_reprobe)."""
         self.remote_min_tokens = remote_min_tokens
         """Prompts with fewer tokens to load than this skip remote tiers (a round trip costs more
         than their prefill)."""
@@ -189,6 +206,8 @@ class TierPolicy:
             return SkipReason.BUDGET, f"est {est * 1e3:.0f} ms > {left * 1e3:.0f} ms budget"
         recompute = self.cost.recompute_seconds(blocks)
         if complete and recompute is not None and est >= recompute:
+            if self.cost.claim_reprobe(t.name, now, self.reprobe_after_s):
+                return None  # its estimate is old: this load measures it again
             return SkipReason.COST, f"est {est * 1e3:.0f} ms >= recompute {recompute * 1e3:.0f} ms"
         return None
 
