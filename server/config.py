@@ -39,8 +39,8 @@ class ServerConfig:
     """Weight-only quantization (vLLM's flag): none, gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0
     blocks), int8, int4, or auto (the default: gguf for a Q4 GGUF on the CPU in float32 where
     the native kernels are built, which gives the fp32 path's outputs from a fifth of the bytes;
-    else none). CPU and float32 only so far; GET /v1/backends shows the kernels and the weight
-    bytes."""
+    else none). On the CPU in float32, or on CUDA in bfloat16 (compute capability 8.0+, torch's
+    int4 kernel); GET /v1/backends shows the kernels and the weight bytes."""
     prefill_bf16: bool = False
     """Prefill batches (64 tokens or more) run the linear layers and attention in bf16 on AMX's
     tiles (CPUs with amx_bf16 only: elsewhere start-up stops with a one-line error). Faster
