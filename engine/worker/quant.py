@@ -329,7 +329,10 @@ class Int8GroupWeight(QuantWeight):
             n = self.out_features
             self._planes(Int8Groups(_from_panels(self.q8, n).int(), _from_panels(self.d, n),
                                     None if self.z is None else _from_panels(self.z, n)))
-        y = self.hi(x) + self.lo(x)
+        if self.device.type == "cuda":  # the planes' bf16 results added in fp32, rounded once
+            y = (self.hi(x.float()) + self.lo(x.float())).to(x.dtype)
+        else:
+            y = self.hi(x) + self.lo(x)
         return y if bias is None else y + bias
 
     def tensors(self) -> list[torch.Tensor]:
