@@ -275,9 +275,14 @@ class TPTierWorker:
     def refresh(self, block: bool = True) -> None:
         """Ask the ranks for their events and counters now (from a reader's thread: only if the
         step loop is not talking to them; it polls soon enough itself)."""
+        from tierserve.engine.worker.tensor_parallel import WorkerDied
+
         with self.ex.exchange(block) as held:
-            if held:
-                self._poll()
+            try:
+                if held:
+                    self._poll()
+            except WorkerDied:  # the step loop meets it next and ends the engine; a reader
+                pass            # (metrics, events) keeps what it had
 
     def flush(self, timeout: float) -> bool:
         with self.ex.exchange():
