@@ -158,6 +158,17 @@ def test_cpu_tier_per_rank_takes_back_what_the_device_evicted(tiny_llama, corpus
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         cpu = llm.engine.kv_worker.manager.stats()["cpu"]
         assert cpu.loaded_blocks == cpu.hit_blocks >= 4  # the rest still on the device
+        # the engine is idle now: a reader of the event log still gets every store rank 0 made
+        from tierserve.engine.kv_tiers.events import BlockStored
+
+        manager, deadline = llm.engine.kv_worker.manager, time.monotonic() + 10
+        while True:
+            stored = sum(len(e.event.block_hashes) for e in manager.events.since(0).events
+                         if isinstance(e.event, BlockStored))
+            if stored == manager.stats()["cpu"].stored_blocks or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert stored == manager.stats()["cpu"].stored_blocks > 0
     finally:
         llm.engine.close()
 

@@ -147,6 +147,11 @@ class _RelayedEvents(EventLog):
         super().__init__(capacity, token_ids)
         self._refresh = refresh
 
+    @property
+    def last_seq(self) -> int:
+        self._refresh()  # readers poll this (an idle engine polls nothing itself)
+        return self._last
+
     def since(self, seq: int) -> EventSlice:
         self._refresh()
         return super().since(seq)
@@ -273,10 +278,13 @@ class TPTierWorker:
     # ---- plumbing ------------------------------------------------------------------------------
 
     def refresh(self, block: bool = True) -> None:
-        """Ask the ranks for their events and counters now (from a reader's thread: only if the
-        step loop is not talking to them; it polls soon enough itself)."""
+        """Ask the ranks for their events and counters (from a reader's thread: at most every
+        POLL_INTERVAL_S, and only if the step loop is not talking to them; it polls soon enough
+        itself)."""
         from tierserve.engine.worker.tensor_parallel import WorkerDied
 
+        if time.monotonic() - self._last_poll < POLL_INTERVAL_S:
+            return
         with self.ex.exchange(block) as held:
             try:
                 if held:
