@@ -142,7 +142,7 @@ void paged_prefill_(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
 // residual += x; x = rms_norm(residual) * weight (rows of x, both [M, N], in place).
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
-// [M, 2N] (gate | up) -> silu(gate) * up [M, N].
+// [M, 2N] (gate | up) -> silu(gate) * up [M, N]; fp32, or bf16 (computed in fp32, rounded once).
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // Rotate the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (rotate-half RoPE from the cos and

@@ -75,7 +75,10 @@ class MLP(nn.Module):
         if self.gate_up_proj.takes_bf16(x.shape[0]):
             # --prefill-bf16: gate/up stay bf16 into down_proj, which takes bf16 (no round trip
             # through fp32: after an AMX GEMM that widening cost as much as the GEMM)
-            gate, up = self.gate_up_proj.bf16_out(x).chunk(2, dim=-1)
+            h = self.gate_up_proj.bf16_out(x)
+            if self.ops is not None:  # one pass, fp32 math, rounded once
+                return self.reduce(self.down_proj(self.ops.silu_and_mul(h)))
+            gate, up = h.chunk(2, dim=-1)
             return self.reduce(self.down_proj(F.silu(gate) * up))
         if self.ops is not None:
             return self.reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
