@@ -55,14 +55,17 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
 // 8 bf16 values widened to fp32 (exact: bf16 is fp32's upper half).
-inline __m256 load_bf16x8(const c10::BFloat16* p) {
+inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 // 8 fp32 values rounded to bf16, nearest-even (as c10::BFloat16; finite inputs).
-inline void store_bf16x8(c10::BFloat16* p, __m256 v) {
+inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i b = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   const __m256i r =
@@ -73,31 +76,31 @@ inline void store_bf16x8(c10::BFloat16* p, __m256 v) {
 }
 #endif
 
-// --prefill-bf16's MLP: bf16 gate | up in, silu(gate) * up computed in fp32, rounded once to
-// bf16 (torch's bf16 silu then mul round twice, in two passes over the rows).
-at::Tensor silu_and_mul_bf16(const at::Tensor& gate_up) {
+// silu(gate) * up row by row in fp32; T = float, or c10::BFloat16 (--prefill-bf16's MLP: widened
+// as read, rounded once as written, where torch's bf16 silu then mul round twice in two passes).
+template <class T>
+at::Tensor silu_and_mul_as(const at::Tensor& gate_up) {
   const int64_t M = gate_up.size(0), N = gate_up.size(1) / 2;
   auto out = at::empty({M, N}, gate_up.options());
-  const c10::BFloat16* in = gate_up.data_ptr<c10::BFloat16>();
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const T* in = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
   ts::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const c10::BFloat16* g = in + i * 2 * N;
-      const c10::BFloat16* u = g + N;
-      c10::BFloat16* orow = o + i * N;
+      const T* g = in + i * 2 * N;
+      const T* u = g + N;
+      T* orow = o + i * N;
       int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
       for (; j + 8 <= N; j += 8) {
-        const __m256 gv = load_bf16x8(g + j);
+        const __m256 gv = load8(g + j);
         const __m256 e = fast_exp8(_mm256_sub_ps(zero, gv));
-        store_bf16x8(orow + j,
-                     _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load_bf16x8(u + j)));
+        store8(orow + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load8(u + j)));
       }
 #endif
       for (; j < N; ++j) {
         const float gf = static_cast<float>(g[j]);
-        orow[j] = c10::BFloat16(gf / (1.0f + fast_exp(-gf)) * static_cast<float>(u[j]));
+        orow[j] = T(gf / (1.0f + fast_exp(-gf)) * static_cast<float>(u[j]));
       }
     }
   });
@@ -110,30 +113,8 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16) &&
                   gate_up.is_contiguous(),
               "contiguous fp32 or bf16");
-  if (gate_up.scalar_type() == at::kBFloat16) return silu_and_mul_bf16(gate_up);
-  const int64_t M = gate_up.size(0), N = gate_up.size(1) / 2;
-  auto out = at::empty({M, N}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  ts::parallel_for(0, M, grain_rows(2 * N), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* g = in + i * 2 * N;
-      const float* u = g + N;
-      float* orow = o + i * N;
-      int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-      for (; j + 8 <= N; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 e = fast_exp8(_mm256_sub_ps(zero, gv));
-        _mm256_storeu_ps(orow + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
-                                                 _mm256_loadu_ps(u + j)));
-      }
-#endif
-      for (; j < N; ++j) orow[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
-    }
-  });
-  return out;
+  return gate_up.scalar_type() == at::kBFloat16 ? silu_and_mul_as<c10::BFloat16>(gate_up)
+                                                : silu_and_mul_as<float>(gate_up);
 }
 
 void rope_store_kv_(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
