@@ -72,29 +72,29 @@ class ShardPlan:
     size: int
     cfg: ModelConfig
 
+    def _share(self, n: int) -> tuple[int, int]:
+        """(first, count) of this rank's `n` consecutive items."""
+        return self.rank * n, n
+
     @property
     def heads(self) -> tuple[int, int]:
-        n = self.cfg.num_heads // self.size
-        return self.rank * n, n
+        return self._share(self.cfg.num_heads // self.size)
 
     @property
     def kv_heads(self) -> tuple[int, int]:
         """This rank's KV heads: its share, or (N above the KV heads) the one its queries read."""
         hkv = self.cfg.num_kv_heads
         if self.size <= hkv:
-            n = hkv // self.size
-            return self.rank * n, n
+            return self._share(hkv // self.size)
         return self.rank * hkv // self.size, 1
 
     @property
     def inter(self) -> tuple[int, int]:
-        n = self.cfg.intermediate_size // self.size
-        return self.rank * n, n
+        return self._share(self.cfg.intermediate_size // self.size)
 
     @property
     def vocab(self) -> tuple[int, int]:
-        n = -(-self.cfg.vocab_size // self.size)
-        return self.rank * n, n
+        return self._share(-(-self.cfg.vocab_size // self.size))
 
     def local_config(self) -> ModelConfig:
         return dataclasses.replace(self.cfg, num_heads=self.heads[1],

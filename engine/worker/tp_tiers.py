@@ -100,8 +100,7 @@ class RankTiers:
         """The last of this rank's events relayed."""
 
     def describe(self) -> dict:
-        return {"descriptors": self.manager.descriptors(),
-                "block_bytes": self.manager.layout.block_bytes}
+        return {"descriptors": self.manager.descriptors()}
 
     def handle(self, kind: str, payload):
         """One kv_* message; the answer for kv_poll and kv_flush (None for the others)."""
@@ -174,7 +173,7 @@ class TPTierManager:
 
     def __init__(self, owner: TPTierWorker, config: TierConfig, layout: BlockLayout,
                  descriptors):
-        self.config, self.layout, self._descriptors = config, layout, descriptors
+        self.layout, self._descriptors = layout, descriptors
         self._owner = owner
         self.events = _RelayedEvents(config.event_log_size, config.event_token_ids,
                                      lambda: owner.refresh(block=False))
