@@ -1,11 +1,19 @@
-"""The native CPU extension (kernels/csrc): paged decode attention and the fused element-wise ops
-of the model path. Compiled on first use with the host's compiler for this CPU (-march=native)
-and cached under ~/.cache/tierserve/ext, keyed by the CPU, the sources and the flags. Where it
-cannot be built (no compiler, no ninja), `load_extension()` returns None with the reason logged
-and callers use torch ops.
+"""The native CPU extension (kernels/csrc): paged decode attention, the quantized linears and the
+fused element-wise ops of the model path. Compiled once per machine and version with the host's
+compiler for this CPU (-march=native) and cached under ~/.cache/tierserve/ext/<tag>, the tag
+keyed by the CPU, the sources, the flags, torch and Python; where it cannot be built (no
+compiler, no ninja), `load_extension()` returns None with the reason logged and callers use torch
+ops.
 
-TIERSERVE_NATIVE_OPS=0 keeps the model's element-wise ops in torch (the attention backend is
-chosen separately, by the router)."""
+The build never depends on where the sources live: they are copied into the build folder and
+compiled from there, so a second checkout, the wheel in another venv or CI's fresh clone of the
+same version finds the finished module (a `built` marker beside it) and imports it without
+running ninja; nothing rebuilds because another checkout started. A build logs a line per
+compiled file (on 2 cores the whole build takes a few minutes, once).
+
+TIERSERVE_NATIVE=0 builds and loads nothing (the router then uses torch SDPA and every op stays
+in torch). TIERSERVE_NATIVE_OPS=0 keeps the model's linears and element-wise ops in torch (the
+attention backend is chosen separately, by the router)."""
 
 from __future__ import annotations
 
@@ -14,9 +22,14 @@ import fcntl
 import functools
 import glob
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import shutil
+import sys
+import threading
+import time
 
 from tierserve.paths import cache_dir
 
@@ -49,13 +62,21 @@ def cpu_has(flag: str) -> bool:
                if line.startswith("flags"))
 
 
+def _headers() -> list[str]:
+    return sorted(glob.glob(os.path.join(_CSRC, "*.h")))
+
+
 def _tag() -> str:
-    """Binaries are built with -march=native: key the cache by this CPU, the sources and flags."""
+    """Binaries are built with -march=native against one torch and one Python: key the cache by
+    this CPU, the sources' contents (not their paths), the flags and those versions."""
+    import torch
+
     info = _cpu_info()[:4096] or platform.processor()
     h = hashlib.sha256(info.encode() + " ".join(_CFLAGS).encode())
-    for path in _SOURCES + glob.glob(os.path.join(_CSRC, "*.h")):
+    h.update(f"torch {torch.__version__} python {sys.version_info[:2]}".encode())
+    for path in _SOURCES + _headers():
         with open(path, "rb") as f:
-            h.update(f.read())
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
     return h.hexdigest()[:12]
 
 
@@ -80,7 +101,7 @@ def _build_guard(build_dir: str):
         guard.flush()
         baton = os.path.join(build_dir, "lock")
         if os.path.exists(baton):
-            log.warning("removing a stale build lock %s (a build that was killed left it)", baton)
+            log.debug("removing a stale build lock %s (a build that was killed left it)", baton)
             os.remove(baton)
         yield
 
@@ -93,17 +114,19 @@ def _holder(guard) -> str:
 
 @functools.cache
 def load_extension():
-    """The compiled module, or None (with the reason logged) where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
+    """The compiled module, or None (with the reason logged) where it cannot be built or
+    TIERSERVE_NATIVE=0."""
+    if os.environ.get("TIERSERVE_NATIVE", "1") == "0":
+        log.info("native CPU kernels off (TIERSERVE_NATIVE=0): torch ops only")
+        return None
     name = f"tierserve_native_{_tag()}"
     build_dir = cache_dir("ext", name)
-    os.makedirs(build_dir, exist_ok=True)
     try:
-        with _build_guard(build_dir):
-            ext = load(name=name, sources=_SOURCES, build_directory=build_dir,
-                       extra_cflags=_CFLAGS, extra_include_paths=[_CSRC],
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        ext = _import_built(name, build_dir)
+        if ext is None:
+            os.makedirs(build_dir, exist_ok=True)
+            with _build_guard(build_dir):
+                ext = _import_built(name, build_dir) or _build(name, build_dir)
     except Exception as e:  # no compiler, no ninja, build error
         log.warning("native CPU kernels unavailable (%s: %s)", type(e).__name__, str(e)[:200])
         return None
@@ -111,6 +134,71 @@ def load_extension():
     if spin:
         ext.set_spin_us(int(spin))
     return ext
+
+
+_MARKER = "built"
+"""Written (by rename) after a build succeeded: its presence means the module beside it is whole."""
+
+
+def _import_built(name: str, build_dir: str):
+    """The finished module of an earlier build (any checkout, any venv with this torch), or None."""
+    so = os.path.join(build_dir, name + ".so")
+    if not (os.path.exists(os.path.join(build_dir, _MARKER)) and os.path.exists(so)):
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    log.info("native CPU kernels loaded from %s", build_dir)
+    return module
+
+
+def _build(name: str, build_dir: str):
+    """Compile from a copy of the sources inside build_dir (ninja's commands then name no
+    checkout), logging each file as it is compiled; mark the result whole."""
+    from torch.utils.cpp_extension import load
+
+    src = os.path.join(build_dir, "src")
+    os.makedirs(src, exist_ok=True)
+    for path in _SOURCES + _headers():
+        shutil.copyfile(path, os.path.join(src, os.path.basename(path)))
+    sources = [os.path.join(src, os.path.basename(p)) for p in _SOURCES]
+    log.info("building the native CPU kernels for this CPU: %d files, a few minutes on 2 cores, "
+             "once per version and machine (%s)", len(sources), build_dir)
+    done = threading.Event()
+    watch = threading.Thread(target=_report_objects, args=(build_dir, sources, done), daemon=True)
+    watch.start()
+    try:
+        ext = load(name=name, sources=sources, build_directory=build_dir, extra_cflags=_CFLAGS,
+                   extra_include_paths=[src], extra_ldflags=["-fopenmp"], verbose=False)
+    finally:
+        done.set()
+        watch.join()
+    tmp = os.path.join(build_dir, f".{_MARKER}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(f"{time.time():.0f}\n")
+    os.replace(tmp, os.path.join(build_dir, _MARKER))
+    return ext
+
+
+def _report_objects(build_dir: str, sources: list[str], done: threading.Event,
+                    every_s: float = 0.5) -> None:
+    """One log line per object file ninja finishes (torch's build prints nothing until the end)."""
+    t0, seen = time.monotonic(), set()
+    stems = {os.path.splitext(os.path.basename(s))[0]: os.path.basename(s) for s in sources}
+    while True:
+        finished = done.wait(every_s)
+        for stem, source in stems.items():
+            obj = os.path.join(build_dir, stem + ".o")
+            if stem not in seen and os.path.exists(obj) and os.path.getmtime(obj) >= _START:
+                seen.add(stem)
+                log.info("native CPU kernels: compiled %s (%d/%d, %.0f s)", source, len(seen),
+                         len(stems), time.monotonic() - t0)
+        if finished:
+            return
+
+
+_START = time.time() - 1
+"""Objects older than this process were left by an earlier build, not compiled now."""
 
 
 def fused_ops():

@@ -11,8 +11,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports t
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
+import difflib  # noqa: E402
+import errno  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import ssl  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -20,10 +23,21 @@ import time  # noqa: E402
 import typing  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
-from tierserve.server.config import (BYTE_FIELDS, ENV_PREFIX, FIELDS, ServerConfig,  # noqa: E402
-                                     load_config, read_chat_template, split_keys)
+from tierserve.server.config import (ENV_PREFIX, FIELDS, LOG_LEVELS, ServerConfig,  # noqa: E402
+                                     env_typos, load_config, read_chat_template, split_keys,
+                                     typed)
 
 log = logging.getLogger("tierserve.server.cli")
+
+COMMANDS = {
+    "serve": "run the OpenAI-compatible HTTP server",
+    "generate": "print one completion of TEXT (offline engine)",
+    "route": "print the attention backend decision for a device and shape",
+    "bench-backends": "time every valid attention backend for a shape on this machine and write "
+                      "the profile the router prefers",
+}
+"""Each subcommand's one-line help: `tierserve --help`, and `tierserve` alone, list them."""
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 """Variables whose values never reach a log line, with the API keys (configured or in
@@ -44,9 +58,19 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="append", default=None,
                            metavar="KEY" if name.endswith("api_key") else "VALUE", help=doc)
             continue
-        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        conv = str if name in BYTE_FIELDS else base
-        p.add_argument(flag, type=conv, default=None, help=f"{doc} (default: {f.default})")
+        p.add_argument(flag, type=_flag_type(name), default=None, metavar=name.upper(),
+                       help=f"{doc} (default: {f.default})")
+
+
+def _flag_type(name: str) -> typing.Callable[[str], typing.Any]:
+    """A flag's value checked and typed as the YAML key's and the variable's are: argparse then
+    says `argument --max-num-seqs: expected an integer, got 'lots'`."""
+    def convert(text: str) -> typing.Any:
+        try:
+            return typed(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name}: ")) from None
+    return convert
 
 
 def _field_docs() -> dict[str, str]:
@@ -67,66 +91,158 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    overrides = {k: getattr(args, k) for k in FIELDS}
-    try:
-        config = load_config(args.config, overrides)
-    except (OSError, ValueError, TypeError) as e:
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _limit_malloc_arenas()
-    secrets = _secrets(config)
-    redact_log_output(secrets)
-    log.info("settings: %s", config.describe())
-    import uvicorn
+class _Refused(Exception):
+    """A start-up error: one line on stderr (`tierserve serve: ...`) and this exit status, no
+    traceback, and before the model loads wherever the check can run that early."""
 
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except _Refused as e:
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return e.status
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Cheap checks first (settings, the port, certificates, the chat template), each in a
+    second; then the model loads (minutes, the first time, with the native build)."""
+    config = _settings(args)
+    held = reserve_port(config.host, config.port)  # before logging: an error stays one line
+    try:
+        setup_logging(config.log_level)
+        for typo in env_typos(os.environ):
+            log.warning("%s", typo)
+        _limit_malloc_arenas()
+        secrets = _secrets(config)
+        redact_log_output(secrets)
+        log.info("settings: %s", config.describe())
+        _check_files(config)
+        engine, app = _build(config)
+    finally:
+        for sock in held:  # uvicorn binds the port itself, a moment from now
+            sock.close()
+    return _run(config, engine, app, secrets)
+
+
+def _settings(args: argparse.Namespace) -> ServerConfig:
+    """Defaults < YAML < TIERSERVE_* < flags, every value typed; MODEL may also come
+    positionally (`tierserve serve MODEL`, as `vllm serve MODEL`)."""
+    flags = {k: getattr(args, k) for k in FIELDS}
+    if args.model_arg is not None:
+        if flags["model"] not in (None, args.model_arg):
+            raise _Refused(f"two models given: {args.model_arg!r} and --model "
+                           f"{flags['model']!r}; give one")
+        flags["model"] = args.model_arg
+    try:
+        return load_config(args.config, flags)
+    except (OSError, ValueError, TypeError) as e:
+        raise _Refused(str(e)) from None
+
+
+def reserve_port(host: str, port: int) -> list[socket.socket]:
+    """Bind, without listening, each address uvicorn will listen on, so a port in use stops
+    start-up at once instead of after the model has loaded (uvicorn binds only then). The
+    caller closes them just before uvicorn binds."""
+    held: list[socket.socket] = []
+    try:
+        for info in set(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_PASSIVE)):
+            sock = _bind(*info)
+            if sock is not None:
+                held.append(sock)
+        if not held:
+            raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+    except OSError as e:
+        for sock in held:
+            sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise _Refused(f"port {port} on {host} is in use; use --port") from None
+        raise _Refused(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return held
+
+
+def _bind(family, kind, proto, _name, addr) -> socket.socket | None:
+    """One address bound as asyncio's create_server binds it: SO_REUSEADDR (a port in
+    TIME_WAIT from the last run is free), IPV6_V6ONLY, and an address family the host has
+    not enabled (EADDRNOTAVAIL: ::1 without IPv6) skipped."""
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise
+    return sock
+
+
+def setup_logging(level: str) -> None:
+    """The start-up lines (settings, the native build, the attention backend, KV blocks) on
+    stderr, alike for serve and generate."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+
+
+def _check_files(config: ServerConfig) -> None:
+    """The certificate and the chat template, before the model loads: a typo fails in a second."""
+    if config.ssl_certfile is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.ssl_certfile,
+                                                                    config.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise _Refused(f"ssl_certfile/ssl_keyfile: {e}") from None
+    if config.chat_template is not None:
+        from tierserve.engine.tokenizer import compile_chat_template
+
+        try:
+            compile_chat_template(read_chat_template(config.chat_template))
+        except (OSError, ValueError) as e:
+            raise _Refused(f"chat_template: {e}") from None
+
+
+def _build(config: ServerConfig):
+    """The engine (the model loads here) and the app over it."""
     from tierserve.engine.async_engine import AsyncEngine
     from tierserve.engine.llm import build_config
     from tierserve.engine.llm_engine import LLMEngine
-    from tierserve.engine.tokenizer import compile_chat_template
     from tierserve.engine.worker.device import DeviceError
     from tierserve.engine.worker.loaders import ModelLoadError
     from tierserve.engine.worker.tensor_parallel import WorkerDied
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
-    from tierserve.server.transport import limited_h11
 
-    if config.ssl_certfile is not None:  # before the model loads, as the template below
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.ssl_certfile,
-                                                                    config.ssl_keyfile)
-        except (OSError, ssl.SSLError) as e:
-            print(f"tierserve serve: ssl_certfile/ssl_keyfile: {e}", file=sys.stderr)
-            return 2
-    if config.chat_template is not None:  # before the model loads: a typo fails in a second
-        try:
-            compile_chat_template(read_chat_template(config.chat_template))
-        except (OSError, ValueError) as e:
-            print(f"tierserve serve: chat_template: {e}", file=sys.stderr)
-            return 2
     try:
         engine_config = build_config(**config.engine_kwargs())
     except ValueError as e:  # e.g. a sparse setting out of range
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(str(e)) from None
     try:
         engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
     except (DeviceError, ModelLoadError):
         raise  # main() prints them
     except ValueError as e:  # a setting the model cannot take (tensor parallel, a draft model)
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(str(e)) from None
     except WorkerDied as e:  # a tensor-parallel rank could not start: its error
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 1
+        raise _Refused(str(e), status=1) from None
     try:
-        app = build_app(config, engine)
+        return engine, build_app(config, engine)
     except ApiError as e:  # a bad default_* hint: the same check a request's header gets
-        print(f"tierserve serve: {e.message}", file=sys.stderr)
         engine.stop()
-        return 2
+        raise _Refused(e.message) from None
+
+
+def _run(config: ServerConfig, engine, app, secrets: list[str]) -> int:
+    """Serve until SIGTERM (a drain) or until the engine dies (exit 1)."""
+    import uvicorn
+
+    from tierserve.server.transport import limited_h11
+
     engine.start()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port,
                                log_level=config.log_level.lower(),
@@ -272,9 +388,7 @@ async def _abort_lingering_closes(connections, grace_s: float = 1.0) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tierserve import LLM, SamplingParams
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
+    setup_logging(args.log_level)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     print(llm.generate([args.text], params)[0].outputs[0].text)
@@ -354,17 +468,84 @@ def cmd_bench_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with each error in one line (`tierserve serve: ...`, no usage block), no
+    abbreviated flags (`--max-num-seq 8` is not --max-num-seqs), and for an unknown flag the
+    nearest real one (Python 3.11's argparse suggests none)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        argv = sys.argv[1:] if args is None else list(args)
+        name = next((a for a in argv if not a.startswith("-")), None)  # no value-taking options
+        if self.commands and name is not None and name not in self.commands:
+            hint = _did_you_mean(name, list(self.commands)) or \
+                f" (the commands: {', '.join(self.commands)})"
+            self.error(f"unknown command {name!r}{hint}")
+        ns, extra = self.parse_known_args(argv, namespace)
+        if extra:
+            command = self.commands.get(getattr(ns, "command", None), self)
+            command.error(_unrecognized(command, extra))
+        return ns
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """`unknown flag --max-num-seq (did you mean --max-num-seqs?)`, or the stray argument."""
+    flags = [arg.split("=", 1)[0] for arg in extra if arg.startswith("-")]
+    if not flags:
+        return f"unexpected argument{'s' * (len(extra) > 1)} {' '.join(extra)}"
+    known = [opt for action in parser._actions for opt in action.option_strings]
+    named = ", ".join(f"{flag}{_did_you_mean(flag, known, ' (did you mean {}?)')}"
+                      for flag in flags)
+    return f"unknown flag{'s' * (len(flags) > 1)} {named}"
+
+
+def _did_you_mean(word: str, choices: list[str], form: str = "; did you mean {}?") -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return form.format(close[0]) if close else ""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierserve")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "(not installed)"
+
+
+def overview() -> str:
+    """What `tierserve` alone prints, as `git` alone does: the commands, one line each."""
+    lines = ["usage: tierserve [--version] [--help] <command> [<args>]", "", "commands:"]
+    lines += [f"  {name:16s}{text}" for name, text in COMMANDS.items()]
+    lines += ["", "`tierserve <command> --help` lists a command's flags."]
+    return "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser = _Parser(prog="tierserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tierserve {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    def command(name: str, func) -> argparse.ArgumentParser:
+        p = parser.commands[name] = sub.add_parser(name, help=COMMANDS[name])
+        p.set_defaults(func=func)
+        return p
+
+    serve = command("serve", cmd_serve)
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL",
+                       help="the model, as --model (give one or the other)")
     serve.add_argument("--config", default=None,
                        help="YAML settings file, or a preset's name (default); unset: "
                        "$TIERSERVE_CONFIG. Every setting can also come from TIERSERVE_<SETTING> "
                        "(flag > environment > file > default)")
     _add_config_flags(serve)
-    serve.set_defaults(func=cmd_serve)
-    gen = sub.add_parser("generate", help="print one completion of TEXT (offline engine)")
+    gen = command("generate", cmd_generate)
     gen.add_argument("text")
     gen.add_argument("--model", default=ServerConfig.model)
     gen.add_argument("--device", default=ServerConfig.device,
@@ -374,10 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "float16 or bfloat16")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--log-level", default="warning",
-                     help="info shows the engine's set-up (backend, KV blocks) on stderr")
-    gen.set_defaults(func=cmd_generate)
-    rt = sub.add_parser("route", help="print the attention backend decision for a device and shape")
+    gen.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                     help="info (the default) shows the start-up on stderr as serve does: the "
+                     "native build, the attention backend, the KV blocks")
+    rt = command("route", cmd_route)
     _add_shape_flags(rt)
     rt.add_argument("--sparse", action="store_true",
                     help="sparse top-k decode is configured: decode goes to a backend that runs it, "
@@ -385,24 +566,30 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--attention-backend", default=None,
                     help="validate this choice (NAME or prefill=NAME,decode=NAME)")
     rt.add_argument("--json", action="store_true", help="machine-readable output")
-    rt.set_defaults(func=cmd_route)
-    bb = sub.add_parser("bench-backends", help="time every valid attention backend for a shape on "
-                        "this machine and write the profile the router prefers")
-    _add_shape_flags(bb)
-    bb.set_defaults(func=cmd_bench_backends)
+    _add_shape_flags(command("bench-backends", cmd_bench_backends))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        print(overview(), end="")
+        return 2
+    try:
+        return args.func(args)
+    except Exception as e:
+        if not _is_load_error(e):
+            raise
+        print(f"tierserve: error: {e}", file=sys.stderr)  # a wrong path, no GPU...: one line
+        return 2
+
+
+def _is_load_error(e: Exception) -> bool:
+    """Imported only now: these modules pull in torch, seconds a flag's typo should not wait."""
     from tierserve.engine.worker.device import DeviceError
     from tierserve.engine.worker.loaders import ModelLoadError
 
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ModelLoadError, DeviceError) as e:  # a wrong path, no GPU...: one line, no traceback
-        print(f"tierserve: error: {e}", file=sys.stderr)
-        return 2
+    return isinstance(e, (ModelLoadError, DeviceError))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Server settings: a frozen dataclass, loaded from YAML, then TIERSERVE_<FIELD> environment
-variables, then command-line flags (each source overrides the one before)."""
+variables, then command-line flags (each source overrides the one before). Every value, from
+any source, is checked and typed (typed()) before anything heavy runs: a mistake is a one-line
+error naming the setting, never a TypeError after the model has loaded."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -149,7 +152,7 @@ class ServerConfig:
     max_header_bytes: int = 64 << 10
     """Largest request line plus headers (accepts suffixes: 16KiB); more get 431."""
     log_level: str = "info"
-    """Uvicorn and tierserve log level."""
+    """Uvicorn and tierserve log level: critical, error, warning, info or debug."""
     kv_tiers: str | None = None
     """KV tiers below the device cache, in lookup order: a comma list of cpu, disk, s3, or none
     (tiers off). Unset: cpu,disk (s3 is opt-in)."""
@@ -218,10 +221,9 @@ class ServerConfig:
     """The first layers stay dense under sparse decode."""
 
     def __post_init__(self) -> None:
-        for name in _KEY_FIELDS:  # one key or a comma list, never its characters
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, split_keys(getattr(self, name)))
-        for name in (*_AT_LEAST_ONE, "cache_scope", "header_timeout_s"):
+        for f in dataclasses.fields(self):  # e.g. "x, y" for api_key: two keys, not characters
+            object.__setattr__(self, f.name, typed(f.name, getattr(self, f.name)))
+        for name in (*_AT_LEAST_ONE, *_CHECKED):
             _check(name, getattr(self, name))
         if self.tool_call_parser is not None:
             from tierserve.server.tool_parsers import tool_parser
@@ -232,8 +234,6 @@ class ServerConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
-        if isinstance(self.speculative_config, dict):  # a YAML mapping
-            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
         SpeculativeConfig.parse(self.speculative_config)  # a bad one is a one-line ValueError
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be above 0")
@@ -301,6 +301,8 @@ CONFIG_ENV = "TIERSERVE_CONFIG"
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 _AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes",
                  "tensor_parallel_size")
+_CHECKED = ("cache_scope", "header_timeout_s", "port", "log_level")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _KEY_FIELDS = ("api_key", "admin_api_key")
 """Secrets: counted, never shown, in the start-up line."""
 CACHE_SCOPES = ("per-key", "shared")
@@ -320,6 +322,94 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"cache_scope must be one of {', '.join(CACHE_SCOPES)}, got {value!r}")
     if name == "header_timeout_s" and value is not None and not value > 0:
         raise ValueError(f"header_timeout_s must be above 0, got {value}")
+    if name == "port" and not 0 <= value <= 65535:
+        raise ValueError(f"port must be between 0 and 65535, got {value}")
+    if name == "log_level" and value.lower() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+
+
+def _kind(hint: Any) -> tuple[Any, bool]:
+    """A field's type without `| None`, and whether None is allowed."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(t for t in typing.get_args(hint) if t is not type(None)), True
+    return (tuple if typing.get_origin(hint) is tuple else hint), False
+
+
+_KINDS = {name: _kind(hint) for name, hint in typing.get_type_hints(ServerConfig).items()}
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             tuple: "a string or a list of strings"}
+
+
+def typed(name: str, value: Any) -> Any:
+    """`value` as setting `name`'s type. Text converts as a TIERSERVE_* variable's does (a flag's,
+    a quoted YAML value's), an integer passes for a number; anything else is a one-line
+    ValueError naming the setting and the type it expects, so a YAML `max_num_seqs: lots` stops
+    start-up instead of failing in the engine after the model has loaded."""
+    kind, optional = _KINDS[name]
+    _some_key(name, value)
+    if value is None:
+        if optional or kind is tuple:
+            return () if kind is tuple else None
+        raise ValueError(f"{name}: expected {_EXPECTED[kind]}, got nothing (null)")
+    if isinstance(value, str):
+        try:
+            return _from_text(name, kind, value.strip() if kind is not str else value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    if _fits(name, kind, value):
+        return float(value) if kind is float else _as_text(name, value)
+    wanted = "a byte size (an integer, or text such as 512MiB)" if name in BYTE_FIELDS else \
+        _EXPECTED[kind]
+    raise ValueError(f"{name}: expected {wanted}, got {value!r}")
+
+
+def _some_key(name: str, value: Any) -> None:
+    """A key setting that was given but holds no key is an error, not an open server."""
+    if name in _KEY_FIELDS and value not in (None, (), []) and not split_keys(value):
+        raise ValueError(f"{name} is set but holds no key (an empty key would leave the server "
+                         "open)")
+
+
+def _fits(name: str, kind: Any, value: Any) -> bool:
+    """A non-text value the setting takes as it is (bool is an int to Python, not to YAML)."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is tuple:
+        return isinstance(value, (list, tuple))
+    if kind is str:
+        return name == "speculative_config" and isinstance(value, dict)  # a YAML mapping
+    return isinstance(value, int) or (kind is float and isinstance(value, float))
+
+
+def _as_text(name: str, value: Any) -> Any:
+    """The text form a setting keeps of a YAML list or mapping; anything else as it is."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return split_keys(value) if isinstance(value, (list, tuple)) else value
+
+
+def unknown_setting(name: str) -> str:
+    """'unknown setting NAME' with the nearest valid name, as git suggests a mistyped command,
+    rather than all 80-odd of them (`tierserve serve --help` lists those)."""
+    close = difflib.get_close_matches(name, list(FIELDS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else " (`tierserve serve --help` lists them)"
+    return f"unknown setting {name!r}{hint}"
+
+
+def env_typos(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each TIERSERVE_* variable that is no setting and no variable tierserve
+    reads, but is close to one (TIERSERVE_MAX_QUEUE misspelt): it would be ignored in silence.
+    Not an error: the prefix is not reserved, and other tools may use it."""
+    from tierserve.server.config_reference import PROCESS_ENV
+
+    known = {ENV_PREFIX + n.upper() for n in FIELDS} | {CONFIG_ENV} | set(PROCESS_ENV)
+    tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)  # the shared prefix would match
+    out = []
+    for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in known):
+        close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX), tails, n=1, cutoff=0.8)
+        if close:
+            out.append(f"{var} is not a setting (ignored); did you mean {ENV_PREFIX}{close[0]}?")
+    return out
 
 
 def split_keys(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -347,6 +437,7 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         raw = environ.get(var, "").strip()
         if raw:
             try:
+                _some_key(name, raw)
                 out[name] = _from_text(name, hints[name], raw)
                 _check(name, out[name])
             except ValueError as e:
@@ -355,9 +446,8 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _from_text(name: str, kind: Any, raw: str) -> Any:
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        kind = next(t for t in typing.get_args(kind) if t is not type(None))
-    if typing.get_origin(kind) is tuple:
+    kind = _kind(kind)[0]
+    if kind is tuple:
         return split_keys(raw)
     if name in BYTE_FIELDS:
         return parse_bytes(raw)
@@ -380,39 +470,63 @@ def load_config(path: str | Path | None, overrides: dict[str, Any],
     (flags; None values are ignored). `path` is a file or the name of a preset shipped in
     tierserve.configs ("default"); None: TIERSERVE_CONFIG, if set. The keys in api_key_file join
     api_key's."""
-    from tierserve.configs import resolve
-
     path = path if path is not None else (environ.get(CONFIG_ENV) or None)
-    values: dict[str, Any] = {}
-    if path is not None:
-        data = yaml.safe_load(resolve(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of settings")
-        values.update({k.replace("-", "_"): v for k, v in data.items()})
+    values: dict[str, Any] = {} if path is None else read_yaml(path)
     values.update(env_settings(environ))
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = set(values) - set(FIELDS)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; valid: {sorted(FIELDS)}")
-    for key in BYTE_FIELDS:
-        if values.get(key) is not None:
-            values[key] = parse_bytes(values[key])
+    for name, value in overrides.items():
+        if name not in FIELDS:
+            raise ValueError(unknown_setting(name))
+        if value is not None:
+            values[name] = typed(name, value)
     values["api_key"] = _api_keys(values.get("api_key"), values.get("api_key_file"))
-    values["admin_api_key"] = _api_keys(values.get("admin_api_key"), None, "admin_api_key")
+    values["admin_api_key"] = _api_keys(values.get("admin_api_key"), None)
     if (values.get("ssl_certfile") is None) != (values.get("ssl_keyfile") is None):
         raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
-    for key in ("allowed_origins", "served_model_name"):  # a YAML string or list, a flag list
-        if key in values:
-            values[key] = split_keys(values[key])
     return ServerConfig(**values)
 
 
-def _api_keys(given: Any, key_file: str | None, name: str = "api_key") -> tuple[str, ...]:
-    """A key setting that was given but holds no key is an error, not an open server."""
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The settings of a YAML file (or a preset's name), each typed. A syntax error, a key that
+    is no setting or a value of the wrong type is a one-line ValueError that begins with the
+    file and line (`c.yaml:3: max_num_seqs: expected an integer, got 'lots'`)."""
+    from tierserve.configs import resolve
+
+    file = resolve(path)
+    text = file.read_text()
+    try:
+        data, lines = yaml.safe_load(text), _key_lines(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise ValueError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a mapping of settings (key: value lines)")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        try:
+            if name not in FIELDS:
+                raise ValueError(unknown_setting(name))
+            out[name] = typed(name, value)
+        except ValueError as e:
+            raise ValueError(f"{file}:{lines.get(key, '?')}: {e}") from None
+    return out
+
+
+def _key_lines(text: str) -> dict[Any, int]:
+    """{top-level key: its line number (from 1)} of a YAML document, for error messages."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    loader = yaml.SafeLoader("")
+    return {loader.construct_object(k): k.start_mark.line + 1 for k, _ in node.value}
+
+
+def _api_keys(given: Any, key_file: str | None) -> tuple[str, ...]:
+    """The keys given (typed() refused a setting that holds none) and those in key_file."""
     keys = split_keys(given)
-    if not keys and given not in (None, (), []):
-        raise ValueError(f"{name} is set but holds no key (an empty key would leave the server "
-                         "open)")
     if key_file:
         try:
             found = read_key_file(key_file)

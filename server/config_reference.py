@@ -35,6 +35,8 @@ PROCESS_ENV = {
     "TIERSERVE_CACHE": "Cache root (default `~/.cache/tierserve`): the native extension's build, "
                        "the backend profile, and the disk tier's folder when "
                        "`disk_tier_dir` is unset (`$TIERSERVE_CACHE/kv`).",
+    "TIERSERVE_NATIVE": "`0` builds and loads no native extension: attention runs on torch SDPA "
+                        "and every op stays in torch.",
     "TIERSERVE_NATIVE_OPS": "`0` keeps the linear layers (oneDNN) and element-wise ops in torch "
                             "instead of the native extension.",
     "TIERSERVE_NATIVE_MARCH": "The x86 level the native extension is built for (gcc's -march; "
@@ -153,7 +155,8 @@ def _server_section() -> str:
         "or a shipped preset's name such as `default`), the default below. An empty variable "
         "counts as unset. Byte sizes accept suffixes (`512MiB`, `8GiB`; `8G` and `8GB` also "
         f"mean GiB). Boolean flags have a `--no-` form{bool_env}. `tierserve serve --help` "
-        "prints the same list.",
+        "prints the same list. The model may also come first, as in vLLM: `tierserve serve MODEL` "
+        "is `tierserve serve --model MODEL`.",
         _table(("YAML key", "flag", "environment", "type", "default", "meaning"), rows),
     ])
 
@@ -240,7 +243,12 @@ def render() -> str:
         "Do not edit by hand: change the dataclass, then regenerate. -->",
         "Examples of whole files: [configs/default.yaml](../configs/default.yaml) and "
         "[configs/tiers.example.yaml](../configs/tiers.example.yaml). A YAML key may use `-` or "
-        "`_`; an unknown key stops start-up with the list of valid ones.",
+        "`_`. Every value is checked against its type below before the model loads: an unknown "
+        "key, a value of the wrong type or a YAML syntax error stops start-up with one line "
+        "naming the file, the line and the key (`c.yaml:2: max_num_seqs: expected an integer, "
+        "got 'lots'`; `c.yaml:1: unknown setting 'max_num_seq'; did you mean 'max_num_seqs'?`), "
+        "as a bad flag or variable does ([troubleshooting.md](troubleshooting.md#settings-"
+        "rejected)).",
     ])
     parts = [head, _server_section(), *_engine_sections(), _hints_section(), _env_section()]
     return "\n\n".join(parts) + "\n"

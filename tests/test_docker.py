@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # TIERSERVE_* variables that are not ServerConfig fields (the settings contract's extras).
-NON_FIELD_VARS = {"TIERSERVE_CONFIG", "TIERSERVE_CACHE", "TIERSERVE_NATIVE_OPS",
-                  "TIERSERVE_SPIN_US", "TIERSERVE_STACK_DECODE_MIN_BATCH"}
+NON_FIELD_VARS = {"TIERSERVE_CONFIG", "TIERSERVE_CACHE", "TIERSERVE_NATIVE",
+                  "TIERSERVE_NATIVE_OPS", "TIERSERVE_SPIN_US", "TIERSERVE_STACK_DECODE_MIN_BATCH"}
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -242,7 +242,7 @@ def test_installed_wheel_serves_as_the_image_does(wheel_venv, image, entrypoint,
     script = wheel_venv.root / "bin" / entrypoint[0]
     env = dict(os.environ, **env_of(image["final"]))
     env.update(PATH=f"{script.parent}{os.pathsep}{os.environ['PATH']}",
-               TIERSERVE_CACHE=str(tmp_path / "cache"), TIERSERVE_NATIVE_OPS="0")
+               TIERSERVE_CACHE=str(tmp_path / "cache"), TIERSERVE_NATIVE="0")
     env.pop("PYTHONPATH", None)
     env.pop("TRITON_CACHE_DIR", None)
 
