@@ -14,6 +14,14 @@ each file's mtime (a strictly increasing stamp per touch), so the start-up scan,
 LRU by mtime, restores the exact order of the last run. A file that fails its check on load is a
 miss and is deleted.
 
+Privacy: the payloads are the tenants' prompts in another form. Every folder the tier creates is
+0700 and every file 0600, from the moment it exists (private.py); a model folder an older version
+left open is closed (chmod go=) at start. The payload checksum is keyed with the secret in
+<disk_dir>/.secret (created once, 0600; a restart or another rank reads the same one), so a file
+planted by whoever can write the folder, or an older version's file, fails its check like a
+corrupt one. If the secret cannot be made or read (read-only folder, a secret open to other
+users), the tier uses a key of its own for this run: files on disk are then misses.
+
 Failures: a write that fails with ENOSPC ("no_space"), EROFS/EACCES/EPERM ("read_only") or any
 other OSError ("io") is counted by kind and pauses stores for disk_error_backoff_s (a breaker with
 threshold 1); loads keep working. One lock guards the index; file I/O happens outside it.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import secrets
@@ -33,7 +42,7 @@ from collections import OrderedDict
 import torch
 
 from tierserve.engine.core.block_hash import BlockHash
-from tierserve.engine.kv_tiers import codec
+from tierserve.engine.kv_tiers import codec, private
 from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.breaker import CircuitBreaker
 from tierserve.engine.kv_tiers.config import TierConfig
@@ -46,6 +55,8 @@ TMP_GRACE_S = 60.0
 _NAME = re.compile(r"^([0-9a-f]{32})\.safetensors$")
 _STORE_ERRNO = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EROFS: "read_only",
                 errno.EACCES: "read_only", errno.EPERM: "read_only"}
+
+log = logging.getLogger(__name__)
 
 
 class DiskTier(KVTier):
@@ -66,15 +77,23 @@ class DiskTier(KVTier):
                                        4 * config.disk_error_backoff_s)
         self.cleaned_tmp_files = 0
         """Stale temp files the start-up scan deleted."""
+        self._mac_key = self._make_folder()
+        """The payload checksum's key (from <disk_dir>/.secret)."""
         self._open()
 
     # ---- start-up ------------------------------------------------------------------------
-    def _open(self) -> None:
+    def _make_folder(self) -> bytes:
+        """Create the model folder (0700) and return the checksum key."""
         try:
-            os.makedirs(self.root, exist_ok=True)
+            private.makedirs(self.root)
         except OSError as e:  # read-only or full at start: serve what is there, retry later
             self._store_failed(TierError(str(e), kind=_STORE_ERRNO.get(e.errno, "io")))
             self.counters.error(_STORE_ERRNO.get(e.errno, "io"))
+        if private.restrict(self.root):
+            log.warning("disk tier: %s was open to other users; now 0700", self.root)
+        return _secret(self.config.disk_dir)
+
+    def _open(self) -> None:
         found = sorted(self._scan())
         for _, key, size in found:
             self._index[key] = size
@@ -142,12 +161,12 @@ class DiskTier(KVTier):
         except OSError as e:
             raise TierError(f"disk tier: reading {key.hex()}: {e}") from e
         lay = self.layout
-        return codec.decode(data, [key], lay.dtype, lay.block_shape)[0]
+        return codec.decode(data, [key], lay.dtype, lay.block_shape, self._mac_key)[0]
 
     def _write(self, key: BlockHash, block: torch.Tensor) -> int:
         if key in self._index:
             return 0
-        data = codec.encode([key], block.unsqueeze(0))
+        data = codec.encode([key], block.unsqueeze(0), self._mac_key)
         size = len(data)
         if size > self._capacity:
             raise TierError(f"disk tier: a {size}-byte payload exceeds the capacity",
@@ -215,12 +234,23 @@ class DiskTier(KVTier):
         self._breaker.record_success()
 
 
+def _secret(folder: str) -> bytes:
+    """The checksum key of the tier's folder; a key of this run's own if there is none to use."""
+    try:
+        return private.load_or_create_secret(folder)
+    except OSError as e:
+        log.warning("disk tier: no usable secret (%s). This run checks blocks with a key of "
+                    "its own, so the blocks on disk are misses; a secret open to other users "
+                    "should be removed (the next start makes a new one)", e)
+        return secrets.token_bytes(32)
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     folder, name = os.path.split(path)
-    os.makedirs(folder, exist_ok=True)
+    private.makedirs(folder)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(private.create(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
