@@ -22,6 +22,7 @@ from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Gr
                                            gguf_covers, gguf_weight, quantize_int4,
                                            quantize_int8_groups)
 from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
+from tierserve.kernels.native import cpu_has
 
 TEXT = (Path(__file__).parent / "data" / "long_text.md").read_text()
 
@@ -57,6 +58,12 @@ def test_blocks_decode_to_the_files_weights(source, gguf_path, gguf_name, hf_nam
     assert torch.equal(source.weights[hf_name], torch.from_numpy(ref))
 
 
+def _rows(g: Int8Groups, ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric 8-bit groups' rows `ids` with these scales."""
+    q = g.q[ids].float().view(len(ids), -1, GROUP)
+    return (q * scale[ids, :, None]).view(len(ids), -1)
+
+
 def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source):
     g = blocks_to_groups(source.blocks["model.layers.0.mlp.gate_proj.weight"])
     w = g.dequantize()
@@ -69,10 +76,19 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
                           g.offset)  # each group's codes reversed: the packing a bug would give
     assert err(Int4Weight(shuffled)(x)) > 0.3
     e = blocks_to_groups(source.blocks["model.embed_tokens.weight"])
-    table = Int8GroupWeight(e)
+    # torch's planes: lookups read the codes kept beside them (torch's packing is private and
+    # differs by CPU level), with the planes' own bf16 scales, so the rows are what the head
+    # multiplies by; the copy is a byte a weight, counted in the weight bytes
+    table = Int8GroupWeight(e, readable=True)
     ids = torch.tensor([0, 1, 15, 16, 31, 32, 63, 64, 49151])
-    exact = (e.q[ids].float().view(len(ids), -1, GROUP) * e.scale[ids, :, None]).view(len(ids), -1)
-    assert torch.allclose(table.rows(ids), exact, rtol=8e-3, atol=0)  # the scales in bf16
+    exact = _rows(e, ids, e.scale)
+    assert torch.equal(table.rows(ids), _rows(e, ids, e.scale.to(torch.bfloat16).float()))
+    assert torch.allclose(table.rows(ids), exact, rtol=8e-3, atol=0)
+    assert table.nbytes == Int8GroupWeight(e).nbytes + e.q.numel()
+    with pytest.raises(QuantizationError, match="private layout"):  # no codes kept: refused,
+        Int8GroupWeight(e).rows(ids)  # never read out of torch's packing
+    with pytest.raises(QuantizationError, match="private layout"):
+        Int4Weight(g).decode()
     assert err(Int4Weight(quantize_int4(w))(x)) < 0.01
     from tierserve.kernels.native import fused_ops
 
@@ -93,6 +109,11 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
     assert torch.equal(native4.decode(ops, bf16=True), w.to(torch.bfloat16))
     assert torch.equal(native4.unpack().codes, g.codes)  # the panel order undone
     assert err(native4(x)) < 0.01  # no extension: torch's packing, made once
+    readable4 = Int4Weight(g, native=True, readable=True)  # as --prefill-bf16 asks
+    assert readable4.nbytes == Int4Weight(g, native=True).nbytes  # panels: read as they are
+    assert err(readable4(x)) < 0.01  # no extension: torch's packing, the codes kept beside it
+    assert readable4.nbytes == Int4Weight(g).nbytes + g.codes.numel() // 2
+    assert (readable4.decode() - w).abs().max() <= 0.01 * w.abs().max()  # bf16 scales, zeros
     q8 = quantize_int8_groups(w)  # int8 mode: min/max groups of 32, codes 0..255
     back = torch.addcmul(q8.offset[..., None], q8.q.float().view(w.shape[0], -1, GROUP),
                          q8.scale[..., None])
@@ -105,7 +126,8 @@ def test_packed_kernels_match_their_weights_and_a_wrong_packing_does_not(source)
         assert torch.equal(int8(xm, ops), ops.packed_linear(xm, int8_panels, w.shape[0]))
     # the planes' rows: bf16 scales, within about a step of the exact ones
     step = q8.scale[ids[:3]].repeat_interleave(GROUP, 1)
-    assert ((Int8GroupWeight(q8).rows(ids[:3]) - int8.rows(ids[:3])).abs() <= 2 * step).all()
+    planes = Int8GroupWeight(q8, readable=True)
+    assert ((planes.rows(ids[:3]) - int8.rows(ids[:3])).abs() <= 2 * step).all()
     # the native Q8_0 head, and the embedding rows from the same bytes (exact)
     native = Int8GroupWeight(e, native=True)
     assert torch.equal(native.rows(ids), exact)
@@ -214,8 +236,6 @@ def test_bf16_prefill_on_amx_keeps_quality_and_is_refused_elsewhere(quality):
     """--prefill-bf16: prefill chunks multiply the linears in bf16 (oneDNN on AMX's tiles); the
     teacher-forced score is all prefill, so it measures exactly that rounding. Without AMX the
     start stops with a one-line error naming it."""
-    from tierserve.kernels.native import cpu_has
-
     if not cpu_has("amx_bf16"):
         with pytest.raises(ValueError, match="AMX"):
             LLM(quantization="gguf", prefill_bf16=True, kv_cache_memory_bytes=1 << 26)
@@ -264,16 +284,99 @@ print("ok")
 """
 
 
+@pytest.mark.skipif(not cpu_has("avx512f"), reason="this CPU has no AVX-512: the native build "
+                    "is the AVX2 path, which every other test here runs")
 def test_the_kernels_avx2_path_gives_the_fp32_bits_too():
-    """The AVX2 path (AMD EPYC boxes: no AVX-512), built here with -march=haswell in a
-    subprocess: 4- and 8-bit products at 1 to 64 rows equal that build's fp32 panels to the bit,
-    and the weights decode to gguf's values."""
+    """The AVX2 path (AMD EPYC boxes: no AVX-512), built on an AVX-512 box with -march=haswell in
+    a subprocess (a second build of the extension, minutes): 4- and 8-bit products at 1 to 64
+    rows equal that build's fp32 panels to the bit, and the weights decode to gguf's values."""
     import subprocess
     import sys
 
     env = dict(os.environ, TIERSERVE_NATIVE_MARCH="haswell")
     out = subprocess.run([sys.executable, "-c", _OTHER_LEVEL], env=env, capture_output=True,
                          text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+_EACH_LEVEL = """
+import sys
+
+import torch
+from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Groups,
+                                           Int8GroupWeight)
+
+level, path = sys.argv[1:]
+assert torch.backends.cpu.get_cpu_capability() == level.upper(), "the level was not forced"
+(codes, scale, offset), (q, d) = torch.load(path)
+g, e = Int4Groups(codes.int(), scale, offset), Int8Groups(q.int(), d)
+gen = torch.Generator().manual_seed(0)
+
+
+def kernel_codes(w, cols):
+    # the codes torch's kernel multiplies by at input positions `cols`, in every row: one-hot
+    # inputs through the kernel with scale 1 and zero 8 (w = q), so no layout is read
+    sz = torch.ones_like(w.scales_zeros)
+    sz[..., 1] = 8
+    x = torch.zeros(len(cols), GROUP * sz.shape[0], dtype=torch.bfloat16)
+    x[torch.arange(len(cols)), cols] = 1
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, GROUP, sz).t().int()
+
+
+def err(y, ref):
+    return float((y - ref).norm() / ref.norm())
+
+
+q4 = Int4Weight(g, readable=True)
+assert torch.equal(kernel_codes(q4, torch.arange(g.codes.shape[1])), g.codes)
+x = torch.randn(4, g.codes.shape[1], generator=gen)
+w = q4.decode()
+assert (w - g.dequantize()).abs().max() <= 0.01 * w.abs().max()  # bf16 scales and zeros
+assert err(q4(x), x @ w.t()) < 0.01
+shuffled = Int4Groups(g.codes.view(-1, GROUP).flip(-1).reshape(g.codes.shape), g.scale, g.offset)
+assert err(Int4Weight(shuffled)(x), x @ w.t()) > 0.3
+
+table = Int8GroupWeight(e, readable=True)
+n, k = e.q.shape
+ids = torch.cat([torch.tensor([0, 1, 15, 16, 31, 32, 63, 64, n - 1]),
+                 torch.randint(0, n, (64,), generator=gen)])
+bf16 = e.scale.to(torch.bfloat16).float()
+assert torch.equal(table.rows(ids), (e.q[ids].float().view(len(ids), -1, GROUP)
+                                     * bf16[ids, :, None]).view(len(ids), k))
+cols, u = torch.tensor([0, 1, 17, 31, 32, k - 1]), e.q + 128
+assert torch.equal(kernel_codes(table.hi, cols), (u >> 4)[:, cols])
+assert torch.equal(kernel_codes(table.lo, cols), (u & 15)[:, cols])
+hx = torch.randn(3, k, generator=gen)
+href = hx @ table.decode().t()
+assert err(table(hx), href) < 0.01
+flipped = Int8Groups(e.q.view(-1, GROUP).flip(-1).reshape(n, k), e.scale)
+assert err(Int8GroupWeight(flipped)(hx), href) > 0.3
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+def test_lookups_and_kernels_agree_whichever_layout_torch_packs(source, tmp_path, level):
+    """torch packs int4 weights in a layout of its own choosing, which differs by the CPU level
+    it runs at (AVX-512, AVX2, default). At each level, forced in a subprocess
+    (ATEN_CPU_CAPABILITY; AVX-512 only where this CPU has it): the embedding's lookups equal its
+    weights, torch's kernel multiplies by exactly the codes kept beside its packing (read through
+    the kernel itself on one-hot inputs, no layout assumed), and a shuffled packing is caught."""
+    import subprocess
+    import sys
+
+    from tierserve.kernels.native import cpu_has
+
+    if level == "avx512" and not all(cpu_has(f"avx512{f}") for f in ("f", "bw", "vl", "dq")):
+        pytest.skip("this CPU has no AVX-512")
+    g = blocks_to_groups(source.blocks["model.layers.0.mlp.gate_proj.weight"])
+    e = blocks_to_groups(source.blocks["model.embed_tokens.weight"])
+    path = tmp_path / "groups.pt"
+    torch.save(((g.codes.to(torch.uint8), g.scale, g.offset), (e.q.to(torch.int8), e.scale)),
+               path)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level)
+    out = subprocess.run([sys.executable, "-c", _EACH_LEVEL, level, str(path)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

@@ -12,7 +12,14 @@
 
 On CUDA (bfloat16, compute capability 8.0 or newer) the same groups run on torch's tinygemm
 kernel, `_weight_int4pack_mm` (codes two to a byte, `_convert_weight_to_int4pack`); 8-bit groups
-as two such 4-bit planes; the embedding's lookups read the 8-bit codes kept beside them.
+as two such 4-bit planes.
+
+torch's int4 packing is private and not one layout: on the CPU it follows the level torch runs at
+(AVX-512, AVX2 and the default level each order the rows differently; ATEN_CPU_CAPABILITY picks
+one). Nothing here reads it back: a weight on torch's packing that is read as well as multiplied
+(the embedding's lookups; the linears --prefill-bf16 decodes) keeps its codes in a plain layout
+beside it (`readable`: 1 byte a weight for 8-bit groups, 0.5 for 4-bit), counted in its bytes.
+The native panels are our own layout and are read as they are.
 
 The native kernels (kernels/csrc/quant_linear.cpp) decode the weights to fp32 as they use them
 and multiply in the fp32 path's own order, so `gguf` gives what `none` gives on the same file,
@@ -20,7 +27,7 @@ to the bit; they run in the one-call decode stack too (decode_forward.cpp takes 
 scales). torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x
 slower), so there a linear rounds its input to bf16 and returns fp32. The embedding and LM head
 are 8-bit groups of 32 (the file's Q8_0 blocks in gguf mode); a tied embedding decodes the rows
-it takes from the bytes the head reads.
+it takes from the bytes the head reads on the panels, from its kept codes on torch's planes.
 """
 
 from __future__ import annotations
@@ -133,15 +140,18 @@ class QuantWeight:
     """A linear layer's weight packed for its kernel; call it as (x, the native extension or
     None, bias or None) -> x W^T + b."""
 
-    nbytes: int
     device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         raise NotImplementedError
 
     def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
         """The weight as fp32 [out, in] (exactly the values the kernels multiply by), or rounded
-        to bf16."""
+        to bf16. On torch's packing only where the weight is `readable`."""
         raise NotImplementedError
 
     def tensors(self) -> list[torch.Tensor]:
@@ -181,6 +191,24 @@ def _inner_k_tiles(k: int) -> int:
                             "(a multiple of 32); use none")
 
 
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[n, in] codes 0..15 -> [n, in / 2] uint8, column 2j in the low nibble, 2j + 1 in the high:
+    our plain layout, kept beside torch's packing (which is not ours to read)."""
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def _from_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """_nibbles undone: [n, in] int32."""
+    return torch.stack([p & 15, p >> 4], -1).view(p.shape[0], -1).to(torch.int32)
+
+
+def _unreadable(what: str) -> QuantizationError:
+    return QuantizationError(
+        f"{what} is held only in torch's int4 packing, a private layout that differs by the CPU "
+        "level torch runs at; build it readable=True to keep its codes beside the packing")
+
+
 def cuda_int4_operands(g: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA int4 kernel's operands before `_convert_weight_to_int4pack`: codes two to a byte,
     [out, in / 2] uint8 with the even column in the high nibble, and scales and zeros
@@ -199,15 +227,19 @@ class Int4Weight(QuantWeight):
 
     Panel order (kernels/csrc/quant_linear.cpp): codes [n / 16, in / 32, 16, 16] uint8, byte
     (j, i) of panel p, block b holding row 16p + i's codes at 32b + j (low nibble) and
-    32b + 16 + j (high); d and z (the offset) [n / 16, in / 32, 16] fp32."""
+    32b + 16 + j (high); d and z (the offset) [n / 16, in / 32, 16] fp32.
 
-    def __init__(self, g: Int4Groups, native: bool = False, device=None):
+    `readable`: on torch's packing, also keep the codes as _nibbles (`plain`, 0.5 bytes a weight)
+    so that decode() works; the panels need nothing more."""
+
+    def __init__(self, g: Int4Groups, native: bool = False, device=None, readable: bool = False):
         self.out_features = g.codes.shape[0]
         self.groups: Int4Groups | None = g
         self.device = torch.device(device or "cpu")
         self.native = native and self.device.type == "cpu"
+        self.readable = readable
         self.codes = self.d = self.z = None
-        self.packed = self.scales_zeros = None
+        self.packed = self.scales_zeros = self.plain = None
         self._pack()
 
     def _pack(self) -> None:
@@ -221,26 +253,25 @@ class Int4Weight(QuantWeight):
             self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(self.device),
                                                                      _inner_k_tiles(k))
             self.scales_zeros = sz.to(self.device)
-            self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
         elif self.native:
             n, k = g.codes.shape
             c = _panel_rows(g.codes.to(torch.uint8)).view(-1, PANEL, k // GROUP, 2, 16)
             c = c.permute(0, 2, 4, 1, 3)  # [panels, blocks, j, i, half]
             self.codes = (c[..., 0] | (c[..., 1] << 4)).contiguous()
             self.d, self.z = _scales_in_panels(g.scale), _scales_in_panels(g.offset)
-            self.nbytes = self.codes.nbytes + self.d.nbytes + self.z.nbytes
         else:  # torch's kernel: w = (q - 8) s + zero
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.codes,
                                                                             _INNER_K_TILES)
             zero = g.offset + 8 * g.scale
             self.scales_zeros = torch.stack([g.scale.t(), zero.t()], -1).contiguous().to(
                 torch.bfloat16)
-            self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
+        if self.packed is not None and self.readable:
+            self.plain = _nibbles(g.codes).to(self.device)
         self.groups = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.scales_zeros, self.codes, self.d, self.z)
-                if t is not None]
+        return [t for t in (self.packed, self.scales_zeros, self.plain, self.codes, self.d,
+                            self.z) if t is not None]
 
     def stack_parts(self):
         return None if self.codes is None else (self.codes, self.d, self.z)
@@ -253,12 +284,21 @@ class Int4Weight(QuantWeight):
         return Int4Groups(codes.int(), _from_panels(self.d, n), _from_panels(self.z, n))
 
     def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
-        if self.device.type == "cuda":
-            raise QuantizationError("decoding an int4 weight on CUDA: not supported")
         if self.codes is not None and ops is not None:
             return ops.q4_decode(self.codes, self.d, self.z, self.out_features, bf16)
-        w = self.unpack().dequantize() if self.codes is not None else _torch_int4_rows(self)
+        w = self.unpack().dequantize() if self.codes is not None else self._plain_weights()
         return w.to(torch.bfloat16) if bf16 else w
+
+    def _plain_weights(self) -> torch.Tensor:
+        """The kept codes with the scales and zeros torch's kernel reads (bf16):
+        w = (q - 8) s + zero."""
+        if self.plain is None:
+            raise _unreadable("this int4 weight")
+        n = self.out_features
+        q = _from_nibbles(self.plain).float().view(n, -1, GROUP)
+        sz = self.scales_zeros.float()  # [in / 32, n, 2]
+        scale, zero = sz[..., 0].t(), sz[..., 1].t()
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(n, -1)
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -281,22 +321,25 @@ class Int8GroupWeight(QuantWeight):
     extension's q8_linear (codes in panel order [n / 16, in, 16] int8, d [n / 16, in / 32, 16];
     1.1 bytes a weight) when `native` and `ops` is given; else torch's int4 kernel as two 4-bit
     planes: with u = q + 128 = 16 hi + lo, w = s q = [16s hi - 128s] + [s lo], so x W^T is the sum
-    of two int4 GEMMs (group 32). Either way the weights are exactly the groups', and rows(ids)
-    decodes the bytes the head reads, so a tied embedding costs nothing more."""
+    of two int4 GEMMs (group 32). Either way the weights are exactly the groups'.
 
-    def __init__(self, g: Int8Groups, native: bool = False, device=None):
+    rows(ids) (the embedding's lookups) and decode() read the panels where the weight has them,
+    so a tied embedding costs nothing more there. torch's planes are not read back (their layout
+    is private): a `readable` weight keeps u beside them (`plain`, [n, in] uint8, and the offset
+    in fp32), read with the planes' own bf16 scales, so its rows are what the head multiplies
+    by."""
+
+    def __init__(self, g: Int8Groups, native: bool = False, device=None, readable: bool = False):
         self.out_features = g.q.shape[0]
         self.device = torch.device(device or "cpu")
         self.native = native and self.device.type == "cpu"
-        self.q8 = self.d = self.z = self.hi = self.lo = self.offset = None
-        self.cuda_rows: Int8Groups | None = None
-        """On CUDA: the 8-bit codes (and scales) the embedding's lookups read."""
+        self.readable = readable
+        self.q8 = self.d = self.z = self.hi = self.lo = self.offset = self.plain = None
         if self.native:
             codes = g.q.to(torch.int8 if g.offset is None else torch.uint8)
             self.q8 = _panel_rows(codes).transpose(1, 2).contiguous()
             self.d = _scales_in_panels(g.scale)
             self.z = None if g.offset is None else _scales_in_panels(g.offset)
-            self.nbytes = sum(t.nbytes for t in (self.q8, self.d, self.z) if t is not None)
         else:
             self._planes(g)
 
@@ -304,23 +347,14 @@ class Int8GroupWeight(QuantWeight):
         # u = 16 hi + lo: q + 128 (symmetric: w = s u - 128 s) or q (w = s u + m)
         u = g.q + 128 if g.offset is None else g.q
         s = g.scale
-        self.offset = g.offset  # kept for rows() (the planes hold it in bf16)
         self.hi = Int4Weight(Int4Groups(u >> 4, 16 * s, -128 * s if g.offset is None
                                         else g.offset), device=self.device)
         self.lo = Int4Weight(Int4Groups(u & 15, s, torch.zeros_like(s)), device=self.device)
-        self.nbytes = self.hi.nbytes + self.lo.nbytes + (0 if g.offset is None
-                                                          else g.offset.nbytes)
+        if self.readable:
+            self.plain = u.to(torch.uint8).to(self.device)
+            self.offset = None if g.offset is None else g.offset.to(self.device)
         self.q8 = self.d = self.z = None
         self.native = False
-        if self.device.type == "cuda":
-            self.cuda_rows = Int8Groups(g.q.to(torch.uint8 if g.offset is not None
-                                               else torch.int8).to(self.device),
-                                        g.scale.to(self.device),
-                                        None if g.offset is None else g.offset.to(self.device))
-            self.offset = None if g.offset is None else self.cuda_rows.offset
-            self.nbytes += self.cuda_rows.q.nbytes + self.cuda_rows.scale.nbytes
-        else:
-            _check_pack_layout()
 
     def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
@@ -336,9 +370,7 @@ class Int8GroupWeight(QuantWeight):
         return y if bias is None else y + bias
 
     def tensors(self) -> list[torch.Tensor]:
-        own = [t for t in (self.q8, self.d, self.z, self.offset) if t is not None]
-        if self.cuda_rows is not None:
-            own += [self.cuda_rows.q, self.cuda_rows.scale]
+        own = [t for t in (self.q8, self.d, self.z, self.plain, self.offset) if t is not None]
         return own + (self.hi.tensors() + self.lo.tensors() if self.hi is not None else [])
 
     def stack_parts(self):
@@ -347,17 +379,12 @@ class Int8GroupWeight(QuantWeight):
     def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
         if self.q8 is not None and ops is not None:
             return ops.q8_decode(self.q8, self.d, self.out_features, self.z, bf16)
-        w = self.rows(torch.arange(self.out_features))
+        w = self.rows(torch.arange(self.out_features, device=self.device))
         return w.to(torch.bfloat16) if bf16 else w
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The weight's rows `ids`, [n, in] fp32, from the bytes the head reads."""
+        """The weight's rows `ids`, [n, in] fp32: the values its kernel multiplies by."""
         ids = ids.long()
-        if self.cuda_rows is not None:
-            c = self.cuda_rows
-            q = c.q[ids].float().view(len(ids), -1, GROUP)
-            y = q * c.scale[ids][..., None]
-            return (y if c.offset is None else y + c.offset[ids][..., None]).view(len(ids), -1)
         if self.q8 is not None:
             q = self.q8[ids // PANEL, :, ids % PANEL].float().view(len(ids), -1, GROUP)
             d = self.d[ids // PANEL, :, ids % PANEL][..., None]
@@ -365,49 +392,13 @@ class Int8GroupWeight(QuantWeight):
                 return (q * d).view(len(ids), -1)
             z = self.z[ids // PANEL, :, ids % PANEL][..., None]
             return torch.addcmul(z, q, d).view(len(ids), -1)
-        hi, lo = _unpack_rows(self.hi.packed, ids), _unpack_rows(self.lo.packed, ids)
-        scale = self.lo.scales_zeros[:, ids, 0].t().float()  # [n, in / 32]
-        u = (16 * hi + lo).float().view(len(ids), -1, GROUP)
+        if self.plain is None:
+            raise _unreadable("this 8-bit weight")
+        u = self.plain[ids].float().view(len(ids), -1, GROUP)
+        scale = self.lo.scales_zeros[:, ids, 0].t().float()[..., None]  # [n, in / 32, 1]
         if self.offset is None:
-            return ((u - 128) * scale[..., None]).view(len(ids), -1)
-        return torch.addcmul(self.offset[ids][..., None], u, scale[..., None]).view(len(ids), -1)
-
-
-def _torch_int4_rows(w: Int4Weight) -> torch.Tensor:
-    """An Int4Weight on torch's packing, decoded (its scales and zeros as torch holds them)."""
-    n = w.out_features
-    codes = _unpack_rows(w.packed, torch.arange(n)).float().view(n, -1, GROUP)
-    sz = w.scales_zeros.float()  # [in / 32, n, 2]: scale, zero of w = (q - 8) s + zero
-    scale, zero = sz[..., 0].t(), sz[..., 1].t()
-    return ((codes - 8) * scale[..., None] + zero[..., None]).view(n, -1)
-
-
-def _unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of codes out of _convert_weight_to_int4pack_for_cpu's layout when the rows are a
-    multiple of 64: blocks of 64 rows, [out / 64, in, 32] bytes, byte j holding rows j (low
-    nibble) and 32 + j (high) of its block."""
-    n, half = packed.shape
-    p = packed.view(n // 64, 2 * half, 32)
-    ids = ids.long()
-    b = p[ids // 64, :, ids % 32]  # [len, in]
-    return torch.where((ids % 64 < 32)[:, None], b & 15, b >> 4).to(torch.int32)
-
-
-_LAYOUT_CHECKED = False
-
-
-def _check_pack_layout() -> None:
-    """_unpack_rows reads torch's private packing: check it once against torch's own output."""
-    global _LAYOUT_CHECKED
-    if _LAYOUT_CHECKED:
-        return
-    codes = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(0),
-                          dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
-    if not torch.equal(_unpack_rows(packed, torch.arange(128)), codes):
-        raise QuantizationError("this torch packs int4 weights in a layout tierserve does not "
-                                "read (quantized embeddings need it); use --quantization none")
-    _LAYOUT_CHECKED = True
+            return ((u - 128) * scale).view(len(ids), -1)
+        return torch.addcmul(self.offset[ids][..., None], u, scale).view(len(ids), -1)
 
 
 def check_mode(mode: str) -> str:
@@ -450,8 +441,8 @@ def gguf_covers(weights: dict, blocks: dict) -> bool:
     return bool(fused) and all(len(kinds) == 1 for kinds in fused.values())
 
 
-def gguf_weight(names: list[str], blocks: dict, native: bool = False,
-                device=None) -> QuantWeight:
+def gguf_weight(names: list[str], blocks: dict, native: bool = False, device=None,
+                readable: bool = False) -> QuantWeight:
     """The file's own blocks of these tensors (fused along the output), on their kernel."""
     missing = [n for n in names if n not in blocks]
     if missing:
@@ -464,8 +455,9 @@ def gguf_weight(names: list[str], blocks: dict, native: bool = False,
     groups = [blocks_to_groups(blocks[n]) for n in names]
     if kinds == {"Q8_0"}:
         return Int8GroupWeight(Int8Groups(torch.cat([g.q for g in groups]),
-                                          torch.cat([g.scale for g in groups])), native, device)
-    return Int4Weight(Int4Groups.cat(groups), native, device)
+                                          torch.cat([g.scale for g in groups])), native, device,
+                               readable)
+    return Int4Weight(Int4Groups.cat(groups), native, device, readable)
 
 
 class QuantEmbedding(torch.nn.Module):
@@ -488,26 +480,31 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
 
     The model lists its linears with the source tensor names each one fuses
     (`linear_sources()`); in gguf mode every name must have Q4 blocks, or the start stops with
-    the tensor named."""
+    the tensor named. The weights that are read as well as multiplied are made `readable`: the
+    embedding (its lookups) and, under --prefill-bf16 (set before this), the linears it decodes."""
     kinds: dict[str, str] = {}
     for lin, names in model.linear_sources():
+        readable = lin.bf16_min_rows > 0
         if mode == "gguf":
-            lin.quantize(gguf_weight(names, blocks, native, device))
+            lin.quantize(gguf_weight(names, blocks, native, device, readable))
         elif mode == "int4":
-            lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native, device))
+            lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native, device,
+                                    readable))
         else:
             lin.quantize(Int8GroupWeight(quantize_int8_groups(lin.weight.detach()), native,
-                                         device))
+                                         device, readable))
         q = lin._quant
         kinds[type(q).__name__] = _kernel(q)
     embed = _table(mode, "model.embed_tokens.weight", model.embed_tokens.weight, blocks, native,
-                   device)
+                   device, readable=True)
     head = embed if model.config.tie_word_embeddings else _table(
         mode, "lm_head.weight", model.lm_head.weight, blocks, native, device)
     model.lm_head.quantize(head)
     model.embed_tokens = QuantEmbedding(embed, dtype)
-    kinds["lm_head"] = _kernel(head) + (" (tied: the embedding reads the same bytes)"
-                                               if head is embed else "")
+    tied = "" if head is not embed else (" (tied: the embedding reads the same bytes)"
+                                         if head.q8 is not None else
+                                         " (tied: the embedding reads a copy of its 8-bit codes)")
+    kinds["lm_head"] = _kernel(head) + tied
     return kinds
 
 
@@ -530,14 +527,14 @@ def _kernel(q: QuantWeight) -> str:
     return _KERNELS[type(q)]
 
 
-def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict,
-           native: bool, device=None) -> Int8GroupWeight:
+def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict, native: bool,
+           device=None, readable: bool = False) -> Int8GroupWeight:
     """The embedding (and LM head): 8-bit groups of 32 (the file's own Q8_0 blocks in gguf mode
     when it has them); one scale per row lost too much: 95% top-1 agreement against 98.7%."""
     b = blocks.get(name) if mode == "gguf" else None
-    if b is not None and b.kind == "Q8_0":
-        return Int8GroupWeight(blocks_to_groups(b), native, device)
-    return Int8GroupWeight(quantize_int8_groups(weight.detach()), native, device)
+    g = blocks_to_groups(b) if b is not None and b.kind == "Q8_0" else quantize_int8_groups(
+        weight.detach())
+    return Int8GroupWeight(g, native, device, readable)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
