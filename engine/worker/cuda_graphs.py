@@ -261,7 +261,11 @@ class DecodeGraphs:
         forward()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: only this (the engine loop's) thread is held to capture rules. Under the
+        # default ("global") a CUDA call another thread makes meanwhile (a tier writer's copy,
+        # a grammar compile, the server's threads) breaks the capture; those threads do not
+        # touch the graph's stream, so the capture does not need to watch them.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = forward()
 
         def replay() -> torch.Tensor:
