@@ -122,3 +122,10 @@ def wheel_venv(wheel, tmp_path_factory) -> WheelVenv:
     _run_ok([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
              "--no-index", str(wheel)], cwd=venv.parent)
     return WheelVenv(venv, py, site)
+
+
+def pytest_collection_finish(session):
+    """Start the selected registry checks in the background (tests/registry_jobs.py)."""
+    import registry_jobs
+    registry_jobs.start({m.args[0] for item in session.items
+                         for m in item.iter_markers("registry")})

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+import registry_jobs
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_LINES = ROOT / "tests" / "data" / "torch-2.13.0-linux-x86_64.requires"
 STAND_IN = "torch-linux-requires"
@@ -97,9 +99,21 @@ def test_every_package_both_pin_agrees():
                 f"{ours} excludes torch's own pin {theirs}"
 
 
+@registry_jobs.job("resolve-ours")
+def _resolve_ours(tmp: Path):
+    return resolve(_ours_without_torch(our_requirements()), tmp)
+
+
+@registry_jobs.job("resolve-conflict")
+def _resolve_conflict(tmp: Path):
+    """What the dev extra held before: triton==3.9.0 beside torch 2.13.0's triton==3.7.1."""
+    return resolve(["triton==3.9.0"], tmp)
+
+
 @pytest.mark.slow
-def test_the_package_and_its_extras_resolve_against_torch_on_linux(tmp_path):
-    code, out, report = resolve(_ours_without_torch(our_requirements()), tmp_path)
+@pytest.mark.registry("resolve-ours")
+def test_the_package_and_its_extras_resolve_against_torch_on_linux():
+    code, out, report = registry_jobs.result("resolve-ours")
     assert code == 0, out[-4000:]
     chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}
     assert chosen["triton"] == "3.7.1"  # torch's, whoever else asks for triton
@@ -109,8 +123,8 @@ def test_the_package_and_its_extras_resolve_against_torch_on_linux(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_conflicting_pin_fails_the_resolution(tmp_path):
-    """What the dev extra held before: triton==3.9.0 beside torch 2.13.0's triton==3.7.1."""
-    code, out, _ = resolve(["triton==3.9.0"], tmp_path)
+@pytest.mark.registry("resolve-conflict")
+def test_a_conflicting_pin_fails_the_resolution():
+    code, out, _ = registry_jobs.result("resolve-conflict")
     assert code != 0
     assert "triton" in out and ("conflict" in out.lower() or "ResolutionImpossible" in out), out[-3000:]

@@ -32,6 +32,7 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+import registry_jobs
 from test_dependencies import _cuda_runtime, our_requirements, torch_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,24 +293,35 @@ def replayed(args: list[str]) -> list[str]:
     return out
 
 
+@registry_jobs.job("dockerfile-steps")
+def _replay_dockerfile_steps(tmp: Path) -> list[tuple[list[str], int, str, dict]]:
+    """Each builder `pip install` as a dry run: (its arguments, exit code, output, report)."""
+    _stand_in_torch(tmp, gpu_pins()["torch"])
+    out = []
+    for i, args in enumerate(pip_installs(DOCKERFILE.read_text())):
+        report = tmp / f"report{i}.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+               "--target", str(tmp / "target"), "--report", str(report), "--find-links",
+               str(tmp), "--progress-bar", "off", *PLATFORM, *replayed(args)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out.append((args, r.returncode, r.stdout + r.stderr,
+                    json.loads(report.read_text()) if r.returncode == 0 else {}))
+    return out
+
+
 @pytest.mark.slow
-def test_the_dockerfiles_pip_steps_resolve_on_linux(tmp_path):
+@pytest.mark.registry("dockerfile-steps")
+def test_the_dockerfiles_pip_steps_resolve_on_linux():
     """Each builder `pip install` as a dry run for Linux x86-64, Python 3.12, with the stand-in
     torch: every step resolves, and takes the set's versions (torch's CUDA packages, where
     another package pulls one in, at torch's own versions)."""
     pins = gpu_pins()
-    _stand_in_torch(tmp_path, pins["torch"])
-    steps = pip_installs(DOCKERFILE.read_text())
-    assert len(steps) == 3, steps
-    for i, args in enumerate(steps):
-        report = tmp_path / f"report{i}.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-               "--target", str(tmp_path / "target"), "--report", str(report), "--find-links",
-               str(tmp_path), "--progress-bar", "off", *PLATFORM, *replayed(args)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"{args}:\n{(r.stdout + r.stderr)[-4000:]}"
+    steps = registry_jobs.result("dockerfile-steps")
+    assert len(steps) == 3, [s[0] for s in steps]
+    for args, code, output, report in steps:
+        assert code == 0, f"{args}:\n{output[-4000:]}"
         chosen = {canonicalize_name(i["metadata"]["name"]): Version(i["metadata"]["version"])
-                  for i in json.loads(report.read_text())["install"]}
+                  for i in report["install"]}
         if "--no-deps" in args:
             continue
         for name, version in pins.items():
