@@ -58,7 +58,9 @@ class TritonBackend(AttentionBackend):
     """Decode metadata can live in static device tensors (static_decode_metadata), so decode
     steps can replay CUDA graphs."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tile: int | None = None, **kwargs):
+        """tile: the kernels' block_n and block_m (None: default_tile's choice for this device and
+        head size). The tests set 64 to run the GPU's tiles under TRITON_INTERPRET."""
         super().__init__(*args, **kwargs)
         from tierserve.kernels import triton_kernels  # imports triton
         self.k = triton_kernels
@@ -66,8 +68,7 @@ class TritonBackend(AttentionBackend):
         self.target_programs = (2 * torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if on_gpu else 1)
         """Decode splits the context until batch * KV heads * splits reaches this."""
-        self.block_n = 64 if on_gpu and self.head_dim <= 128 else 32
-        self.block_m = 64 if on_gpu and self.head_dim <= 128 else 32
+        self.block_n = self.block_m = tile or default_tile(on_gpu, self.head_dim)
 
     def build_metadata(self, layout: BatchLayout) -> TritonMeta:
         dec = self._decode_meta(layout.decode_part()) if layout.num_decodes else None
@@ -150,3 +151,9 @@ class TritonBackend(AttentionBackend):
                 p.page_size, g, self.scale, self.kv_scale, self.block_m,
                 self.block_n)
         return out.view(q.shape[0], -1)
+
+
+def default_tile(on_gpu: bool, head_dim: int) -> int:
+    """Context positions (and prefill query rows) per tile: 64 on a GPU for heads up to 128 wide,
+    else 32 (the interpreter's, and the register budget of wider heads)."""
+    return 64 if on_gpu and head_dim <= 128 else 32

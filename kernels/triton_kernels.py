@@ -243,7 +243,9 @@ def sparse_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, summary: torch.
                         stats: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k block decode: q [B, H, D] -> [B, H, D]. topk [B] (0: dense). `selected`
     [B, Hkv, >= max topk] int32 receives each row's chosen logical blocks (-1 padded; a dense
-    row all -1), `stats` [2] float64 gains the blocks sparse rows attended (over KV heads)."""
+    row all -1): the runner keeps it on q's device (engine/worker/batch_buffers.py), so this
+    write is no blocking device-to-host copy. `stats` [2] float64 gains the blocks sparse rows attended
+    (over KV heads)."""
     scores = block_bounds(q, summary, tables, lens, page_size)
     chosen, count, n = choose_blocks(scores, lens, topk, page_size)
     b, hkv, width = chosen.shape

@@ -22,6 +22,9 @@ pytest.importorskip("triton")
 from tierserve.kernels import triton_kernels as tk  # noqa: E402
 
 SHAPES = [(9, 3, 64), (4, 4, 64), (16, 4, 32)]  # SmolLM2's G=3, G=1, G=4 with another D
+TILES = [32, 64]
+"""The kernels' tile (block_n, block_m): 32 is this CPU's, 64 a GPU's for heads up to 128
+(kernels/triton_attn.default_tile); both run interpreted here."""
 
 
 def _batch(lens, shape, block_size, kv_dtype, seed=0):
@@ -30,9 +33,9 @@ def _batch(lens, shape, block_size, kv_dtype, seed=0):
                         lens_dtype=torch.int32)
 
 
-def _run(q, kv, summary, tables, lens, bs, topk, split_len=64, splits=None, stats=None):
-    """The Triton sparse decode, topk one per sequence; `selected` a view of a larger scratch, as
-    the runner passes it."""
+def _run(q, kv, summary, tables, lens, bs, topk, split_len=64, splits=None, stats=None, tile=32):
+    """The Triton sparse decode, topk one per sequence, at tile `tile`; `selected` a view of a
+    larger scratch, as the runner passes it."""
     b, h, d = q.shape
     hkv = kv.shape[1]
     k = torch.tensor(topk, dtype=torch.long)
@@ -41,21 +44,26 @@ def _run(q, kv, summary, tables, lens, bs, topk, split_len=64, splits=None, stat
     selected = scratch[:b, :, :width]
     splits = splits or -(-int(lens.max()) // split_len)
     out = tk.sparse_paged_decode(q, kv, summary, tables, lens, k, bs, split_len, splits, h // hkv,
-                                 d ** -0.5, 1.0, 32, selected, stats)
+                                 d ** -0.5, 1.0, tile, selected, stats)
     return out.view(b, -1), selected
 
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_reference(shape, kv_dtype, block_size):
+REFERENCE_CASES = ([(shape, kv, bs, 32) for shape in SHAPES
+                    for kv in (torch.float32, torch.float16) for bs in (16, 32)]
+                   + [(shape, kv, 16, 64) for shape in SHAPES for kv in (torch.float32, torch.float16)])
+"""Every shape, KV dtype and page size at the CPU's tile; at the GPU's, every shape and KV dtype
+at pages of 16 (the longest row then spans five 64-position tiles, the last one partial)."""
+
+
+@pytest.mark.parametrize("shape, kv_dtype, block_size, tile", REFERENCE_CASES)
+def test_matches_reference(shape, kv_dtype, block_size, tile):
     """One token, exactly topk blocks, topk + 1, partial newest blocks, long: the chosen blocks
     are the oracle's and the output is attention over them."""
     topk = 4
     lens = [1, 4 * block_size, 4 * block_size + 1, 7 * block_size + 5, 19 * block_size + 13]
     q, kv, summary, tables, ctx = _batch(lens, shape, block_size, kv_dtype)
-    out, selected = _run(q, kv, summary, tables, ctx, block_size, [topk] * len(lens))
+    out, selected = _run(q, kv, summary, tables, ctx, block_size, [topk] * len(lens), tile=tile)
     want_out, want_sel = sparse.sparse_decode_ref(q, kv, summary, tables, ctx.long(), block_size,
                                                   shape[2] ** -0.5, topk)
     scores = sparse.block_scores(q, summary, tables, ctx.long(), block_size, shape[0] // shape[1])
@@ -78,18 +86,19 @@ def test_block_bounds_equal_the_oracle():
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_topk_covering_every_block_is_dense_decode(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, tile", [(torch.float32, 32), (torch.float16, 32),
+                                            (torch.float16, 64)])
+def test_topk_covering_every_block_is_dense_decode(kv_dtype, tile):
     """Where every block fits in topk (or topk is 0), the result is the backend's dense decode to
-    the bit: the per-head tables hold the sequence's own blocks in order."""
+    the bit, at either tile: the per-head tables hold the sequence's own blocks in order."""
     bs, lens = 16, [1, 16, 17, 100, 160, 200]
     q, kv, summary, tables, ctx = _batch(lens, (9, 3, 64), bs, kv_dtype, seed=3)
     blocks = -(-max(lens) // bs)
     for topk in ([blocks] * len(lens), [blocks + 5] * len(lens), [0] * len(lens)):
         stats = torch.zeros(2, dtype=torch.float64)
-        out, selected = _run(q, kv, summary, tables, ctx, bs, topk, stats=stats)
+        out, selected = _run(q, kv, summary, tables, ctx, bs, topk, stats=stats, tile=tile)
         splits = -(-max(lens) // 64)
-        dense = tk.paged_decode(q, kv, tables, ctx, bs, 64, splits, 3, 0.125, 1.0, 32)
+        dense = tk.paged_decode(q, kv, tables, ctx, bs, 64, splits, 3, 0.125, 1.0, tile)
         assert torch.equal(out, dense.view(len(lens), -1))
         if topk[0]:
             for b, n in enumerate(lens):
@@ -120,10 +129,11 @@ def test_topk_per_sequence():
     assert stats[0] == 3 * (4 + 3 + 9)
 
 
-def test_backend_forward_sparse_with_prefill_in_the_step():
-    """TritonBackend.forward_sparse on a step of decodes and a prefill chunk: decode rows are
-    sparse attention over the chosen blocks, prefill rows equal forward()'s; the splits follow
-    the widest sparse row (max_blocks), and the result does not depend on them."""
+@pytest.mark.parametrize("tile", TILES)
+def test_backend_forward_sparse_with_prefill_in_the_step(tile):
+    """TritonBackend.forward_sparse on a step of decodes and a prefill chunk, at either tile:
+    decode rows are sparse attention over the chosen blocks, prefill rows equal forward()'s; the
+    splits follow the widest sparse row (max_blocks), and the result does not depend on them."""
     bs, (h, hkv, d) = 16, (9, 3, 64)
     dec_lens, topk = [400, 200, 33], [5, 3, 0]
     pre_len, pre_new = 70, 6
@@ -134,7 +144,8 @@ def test_backend_forward_sparse_with_prefill_in_the_step():
     kvn = torch.randn(2, 3 + pre_new, hkv, d, generator=g)  # the step's own K/V (already stored)
     lay = BatchLayout(3, [1, 1, 1, pre_new], dec_lens + [pre_len], [0, 1, 2, 3, 3 + pre_new],
                       tables, torch.zeros(3 + pre_new, dtype=torch.long), bs)
-    be = create_backend("triton", h, hkv, d, d ** -0.5)
+    be = create_backend("triton", h, hkv, d, d ** -0.5, tile=tile)
+    assert be.block_n == be.block_m == tile
     meta = be.build_metadata(lay)
     widest = max(min(-(-n // bs), k) if k else -(-n // bs) for n, k in zip(dec_lens, topk))
     outs = []

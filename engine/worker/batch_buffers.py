@@ -47,7 +47,7 @@ class BatchBuffers:
 
     def __init__(self, max_num_seqs: int, max_num_tokens: int, capacity_blocks: int,
                  num_kv_heads: int, alignment: int = 8, adaptive: bool = True,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, device: torch.device | None = None):
         self.max_num_seqs = max_num_seqs
         self.capacity = capacity_blocks
         """Most blocks one sequence can hold (ceil(max_model_len / block_size))."""
@@ -65,8 +65,11 @@ class BatchBuffers:
         self.slot_mapping = buf(max_num_tokens, torch.long)
         self.context_lens = buf(max_num_seqs, torch.long)
         self.tables = buf(max_num_seqs * capacity_blocks, torch.long)
-        self.selected = buf(max_num_seqs * num_kv_heads * capacity_blocks, torch.int32)
-        """Sparse decode: the blocks each (sequence, KV head) attends, written by the kernel."""
+        self.selected = torch.zeros(max_num_seqs * num_kv_heads * capacity_blocks,
+                                    dtype=torch.int32, device=device)
+        """Sparse decode: the blocks each (sequence, KV head) attends, written by the kernel.
+        On `device` (where the kernels run), not pinned on the host: nothing in a step reads it
+        back, and a host buffer made each sparse layer's write a blocking device-to-host copy."""
         self.topk = buf(max_num_seqs, torch.long)
         """Sparse decode: blocks each sequence may attend, in the kernels' encoding
         (kernels/sparse_plan.kernel_topk)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -61,7 +61,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
                  num_blocks: int, max_model_len: int, blocks: dict | None = None):
         self.config = config
         self.model_cfg = model_cfg
@@ -113,13 +113,14 @@ class ModelRunner:
                           for _ in range(mc.num_layers)]
         self.sparse.allocate(num_blocks)
         sc = self.config.scheduler
-        # Fixed-capacity host buffers (pinned on a GPU); each step uses views as wide as its batch.
+        # Fixed-capacity host buffers (pinned on a GPU; the sparse picks on the device); each step
+        # uses views as wide as its batch.
         # A verified decode takes 1 + k rows (batch_buffers.query_rows).
         spec = self.config.speculative_config
         rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         self.buffers = BatchBuffers(rows, sc.max_num_batched_tokens,
                                     -(-max_model_len // self.block_size), mc.num_kv_heads,
-                                    pin_memory=self.device.type == "cuda")
+                                    pin_memory=self.device.type == "cuda", device=self.device)
 
     def capture_graphs(self, pool_blocks: int) -> None:
         """Capture the decode graphs against the final KV cache, once, at start-up."""
@@ -149,8 +150,16 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 
-    def _build_model(self, weights: dict[str, torch.Tensor], blocks: dict) -> torch.nn.Module:
-        model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
+    def _build_model(self, weights: Mapping[str, torch.Tensor], blocks: dict) -> torch.nn.Module:
+        """Parameters are created empty where they run, in the serving dtype, and each checkpoint
+        tensor is copied straight in (a safetensors tensor read from its file then): the host
+        holds one checkpoint tensor at a time beside the weights. Quantization still starts from
+        fp32 weights on the host (engine/worker/quant.py packs those), then moves the rest."""
+        quantized = self.config.quantization != "none"
+        with torch.device("meta"):
+            model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
+        _empty_parameters(model, torch.device("cpu") if quantized else self.device,
+                          torch.float32 if quantized else self.dtype)
         model.stack_decode_min_batch = self.config.stack_decode_min_batch
         if self.config.prefill_bf16:
             model.use_bf16_prefill(PREFILL_BF16_MIN_ROWS)
@@ -330,3 +339,12 @@ def _token_ends(out: SchedulerOutput) -> list[int]:
         at += s.num_new_tokens
         ends.append(at)
     return ends
+
+
+def _empty_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a model built on the meta device empty parameters on `device` in `dtype`, for
+    load_weights to fill (every parameter is a checkpoint tensor). Buffers are left alone."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                                     requires_grad=False))

@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Mapping
 from multiprocessing.connection import Listener
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 from tierserve.engine.config import EngineConfig, ModelConfig
+from tierserve.engine.worker.loaders.lazy import LazyWeights
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -118,28 +120,33 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size}: this model cannot be sharded: {why}")
 
 
-def shard_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
-                size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Rank `rank`'s config and HF-named weights (see the module docstring)."""
+def shard_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], rank: int,
+                size: int) -> tuple[ModelConfig, LazyWeights]:
+    """Rank `rank`'s config and HF-named weights (see the module docstring); each slice is read
+    when the model copies it in (a safetensors file's rows through get_slice), not before."""
     plan = ShardPlan(rank, size, cfg)
     d = cfg.head_dim
     (h0, hn), (k0, kn), (i0, i_n), (v0, vn) = plan.heads, plan.kv_heads, plan.inter, plan.vocab
-    out: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
+    src = LazyWeights.over(weights)
+    whole = slice(None)
+    out = {}
+    for name in src:
+        index: tuple[slice, ...] = ()
+        rows = None
         if ".q_proj." in name:
-            w = w[h0 * d:(h0 + hn) * d]
+            index = (slice(h0 * d, (h0 + hn) * d),)
         elif ".k_proj." in name or ".v_proj." in name:
-            w = w[k0 * d:(k0 + kn) * d]
+            index = (slice(k0 * d, (k0 + kn) * d),)
         elif ".o_proj." in name:
-            w = w[:, h0 * d:(h0 + hn) * d]
+            index = (whole, slice(h0 * d, (h0 + hn) * d))
         elif ".gate_proj." in name or ".up_proj." in name:
-            w = w[i0:i0 + i_n]
+            index = (slice(i0, i0 + i_n),)
         elif ".down_proj." in name:
-            w = w[:, i0:i0 + i_n]
+            index = (whole, slice(i0, i0 + i_n))
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            w = torch.nn.functional.pad(w[v0:v0 + vn], (0, 0, 0, max(0, v0 + vn - w.shape[0])))
-        out[name] = w.contiguous()
-    return plan.local_config(), out
+            index, rows = (slice(v0, v0 + vn),), vn  # the last rank's rows padded with zeros
+        out[name] = src.part(name, index, rows)
+    return plan.local_config(), LazyWeights(out)
 
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}

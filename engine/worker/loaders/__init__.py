@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,8 +33,10 @@ def one_line(e: BaseException) -> str:
 @dataclass
 class ModelSource:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    """Tensors under Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight ...)."""
+    weights: Mapping[str, torch.Tensor]
+    """Tensors under Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight ...): a
+    GGUF's dequantized dict, or a safetensors folder's LazyWeights (loaders/lazy.py), which reads
+    each tensor from the file when it is asked for, in the checkpoint's dtype."""
     tokenizer: TokenizerInfo
     digest: str
     """Identity of the weights, part of every KV block's hash."""

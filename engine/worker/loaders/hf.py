@@ -6,10 +6,9 @@ import glob
 import json
 import os
 
-import torch
-
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.worker.loaders.lazy import LazyWeights, safetensors_entries
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.worker.models.layers import ROPE_TYPES, rope_type
 from tierserve.engine.tokenizer import TokenizerInfo
@@ -96,16 +95,15 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
-def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
+def _read_safetensors(files: list[str]) -> LazyWeights:
+    """The files' tensors, read one at a time as the model copies them in (loaders/lazy.py)."""
+    entries = {}
     for f in files:
         try:
-            weights.update(load_file(f))
+            entries.update(safetensors_entries(f))
         except Exception as e:  # SafetensorError, OSError, ValueError, a truncated header...
             raise ModelLoadError(f"{f}: unreadable safetensors file ({one_line(e)})") from None
-    return {k: v.float() for k, v in weights.items()}
+    return LazyWeights(entries)
 
 
 def _tokenizer(path: str) -> TokenizerInfo:

@@ -5,10 +5,13 @@ load_weights; here it becomes one line naming the tensor and the file."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.worker.loaders import ModelLoadError
+from tierserve.engine.worker.loaders.lazy import LazyWeights
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -36,13 +39,16 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(where: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def check_weights(where: str, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    """Names and shapes only: a LazyWeights answers both from the files' headers."""
     shapes = expected_shapes(config)
+    shape_of = (weights.shape if isinstance(weights, LazyWeights)
+                else lambda n: tuple(weights[n].shape))
     missing = [n for n in shapes if n not in weights]
     if missing:
         raise ModelLoadError(f"{where}: {len(missing)} tensor(s) missing for {config.architecture} "
                              f"with {config.num_layers} layers (first: {missing[0]})")
     for name, shape in shapes.items():
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(weights[name].shape)}, "
+        if shape_of(name) != shape:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {shape_of(name)}, "
                                  f"the config implies {shape}")

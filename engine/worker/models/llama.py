@@ -6,6 +6,7 @@ paged KV cache and the step's metadata through the forward context (kernels.cont
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +110,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Left uninitialized for load_weights (a random init on the meta device would import
+        # torch's Python meta kernels: ~150 MB of host memory for nothing).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         mpe = cfg.max_position_embeddings
-        rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, mpe),
-                               max_positions, rope_attention_factor(cfg.rope_scaling, mpe))
+        with torch.device("cpu"):  # the table is computed on the host in fp32, also when the
+            # parameters are built on the meta device (ModelRunner), and moved with the model
+            rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                 mpe),
+                                   max_positions, rope_attention_factor(cfg.rope_scaling, mpe))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -146,34 +153,35 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens(input_ids)
         return self.tp.embed(input_ids, self.embed_tokens)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up: each tensor is read once (a
+        LazyWeights reads it from the file then) and copied straight into its parameter, on the
+        parameter's device and in its dtype."""
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.weight"]
-                                                  for n in "qkv"]))
+            _fill(attn.qkv_proj.weight, weights, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.bias"]
-                                                    for n in "qkv"]))
-            attn.o_proj.weight.copy_(weights[p + "self_attn.o_proj.weight"])
+                _fill(attn.qkv_proj.bias, weights, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            _fill(attn.o_proj.weight, weights, [p + "self_attn.o_proj.weight"])
             if attn.q_norm is not None:
-                attn.q_norm.weight.copy_(weights[p + "self_attn.q_norm.weight"])
-                attn.k_norm.weight.copy_(weights[p + "self_attn.k_norm.weight"])
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([weights[p + "mlp.gate_proj.weight"],
-                                                           weights[p + "mlp.up_proj.weight"]]))
-            layer.mlp.down_proj.weight.copy_(weights[p + "mlp.down_proj.weight"])
-            layer.input_layernorm.weight.copy_(weights[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(weights[p + "post_attention_layernorm.weight"])
-        self.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
-        self.norm.weight.copy_(weights["model.norm.weight"])
+                _fill(attn.q_norm.weight, weights, [p + "self_attn.q_norm.weight"])
+                _fill(attn.k_norm.weight, weights, [p + "self_attn.k_norm.weight"])
+            _fill(layer.mlp.gate_up_proj.weight, weights,
+                  [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            _fill(layer.mlp.down_proj.weight, weights, [p + "mlp.down_proj.weight"])
+            _fill(layer.input_layernorm.weight, weights, [p + "input_layernorm.weight"])
+            _fill(layer.post_attention_layernorm.weight, weights,
+                  [p + "post_attention_layernorm.weight"])
+        _fill(self.embed_tokens.weight, weights, ["model.embed_tokens.weight"])
+        _fill(self.norm.weight, weights, ["model.norm.weight"])
         if "rope_freqs.weight" in weights:  # Llama 3.1 GGUFs carry the scaled frequencies' divisors
             rope = self.layers[0].self_attn.rope
             rope.build(rope_inv_freq(self.config.head_dim, self.config.rope_theta, None)
                        / weights["rope_freqs.weight"], rope.cos.shape[0])
-        head = weights.get("lm_head.weight")
-        self.lm_head.weight.copy_(head if head is not None and not self.config.tie_word_embeddings
-                                  else weights["model.embed_tokens.weight"])
+        tied = self.config.tie_word_embeddings or "lm_head.weight" not in weights
+        _fill(self.lm_head.weight, weights,
+              ["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:
         """Each linear layer with the checkpoint tensors it fuses (quantization packs those)."""
@@ -260,6 +268,19 @@ class LlamaForCausalLM(nn.Module):
             return self.ops.decode_forward(*args, **quant)
         return self.ops.decode_forward_sparse(*args, sp.summaries, sp.topk, sp.dense_layers,
                                               sp.selected, sp.stats, **quant)
+
+
+def _fill(dst: torch.Tensor, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
+    """Copy the named tensors into consecutive rows of `dst` (converting device and dtype as
+    copy_ does), reading each once; no fused host copy is made."""
+    at = 0
+    with torch.no_grad():
+        for name in names:
+            t = weights[name]
+            dst[at:at + t.shape[0]].copy_(t)
+            at += t.shape[0]
+    if at != dst.shape[0]:
+        raise ValueError(f"{names}: {at} rows for a parameter of {dst.shape[0]}")
 
 
 def _stack_weight(lin: Linear) -> torch.Tensor | None:
