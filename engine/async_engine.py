@@ -56,6 +56,8 @@ class ChildRequest:
     kv_hints: KVHints | None = None
     cache_scope: str | None = None
     """Who may share the child's KV blocks (Request.cache_scope)."""
+    tenant: str | None = None
+    """Whose share of the engine the child uses (Request.tenant)."""
 
 
 @dataclass(frozen=True)
@@ -225,8 +227,8 @@ class AsyncEngine:
 
     def compile_grammar(self, spec: StructuredOutput, scope: str | None = None) -> cf.Future:
         """Start (or find in the caller's scope of the cache) the compile of a structured output,
-        on the engine's grammar threads; the future holds the compiled grammar or a
-        GrammarError."""
+        in the grammar pool (engine/worker/grammar_pool.py: per-key queues, killable processes);
+        the future holds the compiled grammar or a GrammarError."""
         return self.engine.compile_grammar(spec, scope)
 
     def add_group(self, children: list[ChildRequest]) -> GroupStream:
@@ -283,6 +285,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self._publish()  # grammar compiles move their counters while it idles
                     continue
                 self._step()
         except BaseException:
@@ -340,7 +343,7 @@ class AsyncEngine:
                 self.engine.add_request(c.request_id, c.prompt_token_ids, c.params,
                                         priority=c.priority, cache_salt=c.cache_salt,
                                         arrival_time=now, kv_hints=c.kv_hints,
-                                        cache_scope=c.cache_scope)
+                                        cache_scope=c.cache_scope, tenant=c.tenant)
         except ParamError as e:  # checked before admission; only a changed engine gets here
             self._fail_stream(stream, e)
             return

@@ -114,6 +114,9 @@ class SchedulerConfig:
     """fcfs or priority (a name is accepted: "priority")."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill chunk per step (0: the whole budget)."""
+    fair_share: bool = True
+    """Share seats and each step's token budget across tenants (API keys), so one key's flood
+    waits in its own queue (engine/core/fair_share.py); off, or a single tenant: first come."""
 
     def __post_init__(self) -> None:
         try:
@@ -223,6 +226,12 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's --speculative-config): n-gram lookup or a draft model
     proposes tokens the model verifies in the same step (engine/spec/); None: off."""
+    grammar_cache_bytes: int = 256 << 20
+    """Bound of the compiled-grammar cache in bytes (least recently used out)."""
+    grammar_max_bytes: int = 64 << 20
+    """Largest compiled grammar (capped at grammar_cache_bytes); a larger one is refused."""
+    grammar_compiles_per_key: int = 4
+    """Large grammar compiles one cache scope (API key) may have queued or running."""
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)

@@ -315,8 +315,12 @@ class LLMEngine:
         ~2 s): the server builds it at start-up, off the loop thread (compile_grammar)."""
         with self._grammar_lock:
             if self._grammars is None:
+                c = self.config
                 compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                           tuple(self.model_config.eos_token_ids))
+                                           tuple(self.model_config.eos_token_ids),
+                                           cache_bytes=c.grammar_cache_bytes,
+                                           max_bytes=c.grammar_max_bytes,
+                                           per_key=c.grammar_compiles_per_key)
                 self._grammars = GrammarBook(compiler)
             return self._grammars
 
@@ -343,7 +347,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None, kv_hints: KVHints | None = None,
-                    cache_scope: str | None = None) -> None:
+                    cache_scope: str | None = None, tenant: str | None = None) -> None:
         """Admit one request, or raise ParamError and keep nothing of it: every check runs
         before the request is recorded."""
         text = prompt if isinstance(prompt, str) else None
@@ -352,7 +356,7 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(RequestId(request_id), ids, params, max_tokens, priority=priority,
-                      cache_salt=cache_salt, cache_scope=cache_scope,
+                      cache_salt=cache_salt, cache_scope=cache_scope, tenant=tenant,
                       hints=kv_hints or NO_HINTS)
         if arrival_time is not None:
             req.arrival_time = arrival_time

@@ -183,7 +183,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics, keys: tuple[st
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         detail = exc.detail if isinstance(exc.detail, str) else "error"
         return reply(ApiError(exc.status_code, f"{detail}: {request.method} "
-                              f"{request.url.path}", type_=type_, headers=exc.headers))
+                              f"{request.url.path}", type_=type_, headers=exc.headers,
+                              code=_HTTP_CODES.get(exc.status_code, "http_error")))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -191,6 +192,11 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics, keys: tuple[st
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(ApiError(500, "internal server error", type_="server_error",
                                        code="internal_error"))
+
+
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+"""The `code` of Starlette's own answers: an unknown route, a method the route lacks, a body
+FastAPI could not read."""
 
 
 def _plain(errors) -> list[dict]:

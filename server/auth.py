@@ -31,6 +31,13 @@ class Caller:
     admin: bool
     """An admin_api_key: may read the routes that see across tenants."""
 
+    @property
+    def tenant(self) -> str:
+        """The key's name for its share of the engine (fair share) and per-tenant metrics: 12 hex
+        digits of a digest of the key's digest, as the cache scope is derived (never the key, nor
+        the value keys are compared by)."""
+        return hashlib.sha256(b"tierserve tenant|" + self.key_digest).hexdigest()[:12]
+
 
 class KeyRing:
     def __init__(self, api_keys: tuple[str, ...], admin_keys: tuple[str, ...]):
@@ -67,6 +74,13 @@ def digest(key: bytes) -> bytes:
 def caller(request: Request) -> Caller | None:
     """The verified key of this request (None: none sent, or no keys configured)."""
     return request.scope.get("state", {}).get("caller")
+
+
+def tenant_of(request: Request) -> str | None:
+    """Whose share of the engine this request uses: its key's tenant; None without a key (a
+    server without keys is one tenant)."""
+    who = caller(request)
+    return None if who is None else who.tenant
 
 
 def require_operator(request: Request) -> None:

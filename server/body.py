@@ -7,6 +7,7 @@ encoder of an error message) as a 500. Checked once at the edge, nothing behind 
 
 The parse also names what Python's json module would only fail on: bytes that are not UTF-8,
 nesting deeper than MAX_DEPTH, integers longer than MAX_INT_DIGITS, NaN and Infinity (not JSON).
+A body that parses as JSON is JSON whatever its Content-Type says (see _as_json).
 Every route module builds its router with `route_class=CheckedRoute`."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 MAX_DEPTH = 64
 """Deepest nesting of objects and arrays a body may have (a JSON schema needs far less)."""
@@ -36,10 +38,14 @@ class BodyError(HTTPException):
 class CheckedRoute(APIRoute):
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def checked(request: Request):
             _check_url(request)
-            return await handler(_CheckedRequest(request.scope, request.receive))
+            checked_request = _CheckedRequest(request.scope, request.receive)
+            if takes_body:
+                checked_request = await _as_json(checked_request)
+            return await handler(checked_request)
 
         return checked
 
@@ -49,6 +55,43 @@ class _CheckedRequest(Request):
         if not hasattr(self, "_json"):
             self._json = parse_body(await self.body())
         return self._json
+
+
+async def _as_json(request: _CheckedRequest) -> _CheckedRequest:
+    """A body sent without `Content-Type: application/json` (curl's -d sends a form type; some
+    clients send none) is read as JSON all the same, as vLLM does: the request goes on as if the
+    header had said JSON. A body that is not JSON either is a 400 that names the header."""
+    content_type = request.headers.get("content-type")
+    if _is_json(content_type):
+        return request
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # as FastAPI's own read answers it (to no one)
+        raise BodyError("the client went away before its body arrived") from None
+    if not raw:
+        return request
+    try:
+        await request.json()
+    except BodyError as e:
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise BodyError(f"Content-Type: send the body as JSON with Content-Type: "
+                        f"application/json (this request had {sent}, and its body is not "
+                        f"JSON: {e.message})", "Content-Type", "invalid_content_type") from None
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-type"]
+    as_json = _CheckedRequest(dict(request.scope, headers=[*headers, _JSON_TYPE]),
+                              request.receive)
+    as_json._body, as_json._json = raw, request._json
+    return as_json
+
+
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json, or any application/*+json, as FastAPI reads them."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
 
 
 def parse_body(raw: bytes) -> Any:

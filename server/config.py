@@ -65,7 +65,18 @@ class ServerConfig:
     """The model's tool-call format: hermes or llama3_json (unset: hermes). It parses "auto"
     output and is the format "required" and named-function calls are constrained to."""
     grammar_compile_timeout_s: float = 30.0
-    """How long a request waits for its structured-output grammar to compile before a 400."""
+    """How long a request's structured-output grammar may compile (CPU seconds of its compile)
+    and, apart from that, how long it may wait in the compile queue
+    (docs/structured.md#limits-and-fairness); a compile no request waits for is stopped."""
+    grammar_compiles_per_key: int = 4
+    """Large grammar compiles (texts over 16 KiB, or a compile past 2 s) one API key may have
+    queued or running; one more is a 429. Without API keys, all callers share one such limit."""
+    grammar_cache_bytes: int = 256 << 20
+    """Bound of the compiled-grammar cache in bytes (accepts suffixes: 256MiB); least recently
+    used out."""
+    grammar_max_bytes: int = 64 << 20
+    """Largest compiled grammar (accepts suffixes): a schema that compiles to more is a 400.
+    Capped at grammar_cache_bytes (a grammar the cache could not hold would compile twice)."""
     api_key: tuple[str, ...] = ()
     """API keys (repeat the flag or separate with commas); when set, every route but /health and
     /metrics requires `Authorization: Bearer <one of them>`."""
@@ -91,6 +102,10 @@ class ServerConfig:
     """Require an API key on /health and /metrics too (probes and scrapers must then send one)."""
     max_queue: int = 256
     """Requests that may wait beyond max_num_seqs running; more get 429."""
+    fair_share: bool = True
+    """With API keys, each key is a tenant with an even share of the engine: seats and each
+    step's token budget go round the keys with waiting work, so one key's flood waits in its
+    own queue (docs/architecture.md#fair-share). Off: first come, first served across keys."""
     max_model_len: int = 8192
     """Longest prompt plus output (capped by the model and the KV cache)."""
     max_num_seqs: int = 64
@@ -277,7 +292,8 @@ class ServerConfig:
                 "disk_tier_bytes", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region",
                 "sparse_topk_blocks", "sparse_topk_ratio", "sparse_min_context",
                 "sparse_dense_layers", "cuda_graphs", "kv_events_token_ids", "quantization",
-                "prefill_bf16", "speculative_config", "tensor_parallel_size",
+                "prefill_bf16", "speculative_config", "tensor_parallel_size", "fair_share",
+                "grammar_compiles_per_key", "grammar_cache_bytes", "grammar_max_bytes",
                 *TIER_KNOBS)
         return {k: getattr(self, k) for k in keys} | {"kv_tiers": self.tier_names}
 
@@ -291,7 +307,7 @@ class ServerConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes", "max_body_bytes",
-               "max_header_bytes")
+               "max_header_bytes", "grammar_cache_bytes", "grammar_max_bytes")
 """Settings that accept size suffixes (512MiB, 2GiB)."""
 ENV_PREFIX = "TIERSERVE_"
 """Each setting is also the variable TIERSERVE_<FIELD NAME IN CAPITALS>; other TIERSERVE_* names
@@ -300,7 +316,8 @@ CONFIG_ENV = "TIERSERVE_CONFIG"
 """The YAML file (or preset name) when --config is not given."""
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 _AT_LEAST_ONE = ("max_prompt_tokens", "max_tokens_limit", "max_header_bytes",
-                 "tensor_parallel_size")
+                 "tensor_parallel_size", "grammar_compiles_per_key", "grammar_cache_bytes",
+                 "grammar_max_bytes")
 _CHECKED = ("cache_scope", "header_timeout_s", "port", "log_level")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _KEY_FIELDS = ("api_key", "admin_api_key")

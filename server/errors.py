@@ -35,22 +35,77 @@ def error_response(err: ApiError) -> JSONResponse:
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
-    """(message, param, code) for pydantic/FastAPI validation errors: name the field."""
+    """(message, param, code) for pydantic/FastAPI validation errors: name the field, what it
+    takes and what came (`max_tokens: expected an integer, got a string ("5")`). `param` is the
+    first error's field; of that field's errors the message tells the deepest, with every type a
+    union would have taken there (`prompt[0]: expected a string, an integer or an array`); other
+    fields with errors are listed after it."""
     if not errors:
         return "invalid request body", None, "invalid_value"
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}", None, "invalid_json"
-    loc = [x for x in first.get("loc", ()) if x != "body"]
-    # Drop union-branch names (e.g. 'str', 'list[int]') so the path reads as the JSON field;
-    # list positions read as JSON paths do: tokens[1].
-    path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc
+    paths = [_path(e) for e in errors]
+    if paths[0] is None:
+        return _body_message(first)
+    field = _top(paths[0])
+    mine = [i for i, p in enumerate(paths) if p is not None and _top(p) == field]
+    at = max(mine, key=lambda i: paths[i].count(".") + paths[i].count("["))
+    path, err = paths[at], errors[at]
+    others = sorted({_top(p) for p in paths if p is not None and _top(p) != field})
+    also = f" (also: {', '.join(others)})" if others else ""
+    param = paths[0]
+    if err.get("type") == "missing":
+        return f"{path}: field required{also}", param, "missing_required_parameter"
+    expected = [_EXPECTED[e["type"]] for i, e in enumerate(errors)
+                if paths[i] == path and e.get("type") in _EXPECTED]
+    if expected:
+        kinds = list(dict.fromkeys(expected))
+        wanted = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+        return f"{path}: expected {wanted}, got {_got(err.get('input'))}{also}", param, \
+            "invalid_type"
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return f"{path}: {msg}{also}", param, "invalid_type"
+
+
+_EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+             "bool_type": "a boolean", "string_type": "a string", "list_type": "an array",
+             "dict_type": "an object", "model_type": "an object",
+             "model_attributes_type": "an object"}
+"""What a field takes, by pydantic's error type, in JSON's words."""
+
+
+def _path(error: dict) -> str | None:
+    """The error's field as a JSON path (`messages[0].content`), or None for the body itself.
+    Union-branch names ('str', 'list[int]') are dropped so the path reads as the JSON field."""
+    loc = [x for x in error.get("loc", ()) if x != "body"]
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc
                    if isinstance(x, int) or not _is_type_name(str(x))).lstrip(".") or None
-    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        return f"{path}: field required", path, "missing_required_parameter"
-    extra = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return (f"{path}: {msg}" if path else msg) + extra, path, "invalid_type"
+
+
+def _top(path: str) -> str:
+    return path.split(".")[0].split("[")[0]
+
+
+def _got(value) -> str:
+    """A JSON value as a message names it: its type, and a short form of a scalar."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), "a value")
+    if isinstance(value, (list, dict)):
+        return kind
+    shown = json.dumps(value)
+    return f"{kind} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+
+
+def _body_message(error: dict) -> tuple[str, str | None, str]:
+    """The body itself is wrong: empty (or null), or JSON that is not an object."""
+    if error.get("type") == "missing" or error.get("input") is None:
+        return ("the request body is empty (or null): send a JSON object, with Content-Type: "
+                "application/json", None, "invalid_json")
+    return (f"the request body must be a JSON object, got {_got(error.get('input'))}", None,
+            "invalid_type")
 
 
 def _is_type_name(part: str) -> bool:

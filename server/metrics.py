@@ -92,7 +92,7 @@ def _grammar(g: GrammarStats, lbl: list[str]) -> Iterable[Metric]:
     yield _counter("tierserve:structured_requests", "Requests with a structured output (schema, "
                    "regex, choice, grammar or forced tool calls).", g.requests, lbl)
     yield _histogram("tierserve:grammar_compile_seconds", "Grammar compile time (each "
-                     "distinct grammar once; off the step).",
+                     "distinct grammar once; in a compiler process, off the step).",
                      HistogramSnapshot(COMPILE_BUCKETS, g.compile_counts, g.compile_seconds), lbl)
     yield _counter("tierserve:grammar_cache_hits", "Grammar requests served by the compile "
                    "cache.", g.cache_hits, lbl)
@@ -102,6 +102,21 @@ def _grammar(g: GrammarStats, lbl: list[str]) -> Iterable[Metric]:
                    "token bitmasks.", g.mask_seconds, lbl)
     yield _counter("tierserve:grammar_masked_rows", "Sampled rows a grammar masked.",
                    g.masked_rows, lbl)
+    yield _gauge("tierserve:grammar_cache_bytes", "Bytes of compiled grammars the compile cache "
+                 "holds (bounded by grammar_cache_bytes).", g.cache_bytes, lbl)
+    yield _gauge("tierserve:grammar_cache_entries", "Grammars (and refusals) the compile cache "
+                 "holds.", g.cache_entries, lbl)
+    yield _counter("tierserve:grammar_cache_evictions", "Grammars the compile cache let go to "
+                   "stay under its bound.", g.cache_evictions, lbl)
+    yield _gauge("tierserve:grammar_compiles_running", "Grammar compiles running in the "
+                 "compiler processes.", g.compiles_running, lbl)
+    yield _gauge("tierserve:grammar_compiles_queued", "Grammar compiles waiting for a compiler "
+                 "process.", g.compiles_queued, lbl)
+    yield _counter("tierserve:grammar_compiles_cancelled", "Grammar compiles stopped because no "
+                   "request waited for them any more (timed out or gone).",
+                   g.compiles_cancelled, lbl)
+    yield _counter("tierserve:grammar_compiles_rejected", "Grammar compiles refused by "
+                   "grammar_compiles_per_key (429s).", g.compiles_rejected, lbl)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

@@ -26,11 +26,15 @@ from tierserve.server.errors import ApiError, bad_request
 
 _MEDIA, _LOCALITIES = ("CPU", "STORAGE"), ("LOCAL", "REMOTE")
 _BODY_KEYS = ("kv_load_tiers", "kv_store_tiers", "max_load_tokens", "max_offload_tokens")
+MAX_HINT_TOKENS = (1 << 31) - 1
+"""The bound of a token count when no max_model_len is given (a caller without an engine)."""
 
 
 def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
-                tiers: list[TierDescriptor]) -> KVHints:
-    """KVHints of one request; raises ApiError (400) naming the bad header or field."""
+                tiers: list[TierDescriptor], max_model_len: int = MAX_HINT_TOKENS) -> KVHints:
+    """KVHints of one request; raises ApiError (400) naming the bad header or field. Token
+    counts (max_load_tokens, max_offload_tokens) are in [0, max_model_len]: a request has no
+    more tokens than that to load or store."""
     h = {k.lower(): v for k, v in headers.items()}
     body = _body(body)
     load = _merge("X-KV-Load-Tiers", _header_tiers(h, "x-kv-load-tiers", tiers),
@@ -38,8 +42,9 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any] | None,
     store = _merge("X-KV-Store-Tiers", _header_tiers(h, "x-kv-store-tiers", tiers),
                    "kv_transfer_params.kv_store_tiers", _matched(body, "kv_store_tiers", tiers))
     return KVHints(load_tiers=load, store_tiers=store, ttft_budget_ms=_budget(h),
-                   slo_class=_slo_class(h), max_load_tokens=_count(body, "max_load_tokens"),
-                   max_offload_tokens=_count(body, "max_offload_tokens"),
+                   slo_class=_slo_class(h),
+                   max_load_tokens=_count(body, "max_load_tokens", max_model_len),
+                   max_offload_tokens=_count(body, "max_offload_tokens", max_model_len),
                    sparse_attention=_on_off(h, "x-sparse-attention"),
                    speculative=_on_off(h, "x-speculative"))
 
@@ -97,6 +102,9 @@ def _header_tiers(h: dict[str, str], name: str, tiers: list[TierDescriptor]) -> 
         if not n:
             raise _header_error(name, f"malformed list {raw!r}: use tier names separated by "
                                 "commas, or all, or none")
+        if n in ("all", "none"):
+            raise _header_error(name, f"{n} cannot be combined with tier names (got {raw!r}): "
+                                f"send {n} alone, or only tier names")
         if n not in known:
             raise _header_error(name, f"unknown tier {n!r}; configured: "
                                 f"{', '.join(sorted(known)) or 'none'} (or all, none)")
@@ -177,13 +185,18 @@ def _slo_class(h: dict[str, str]) -> SloClass | None:
         raise _header_error("x-slo-class", f"must be interactive or batch, got {raw!r}") from None
 
 
-def _count(body: dict[str, Any], key: str) -> int | None:
+def _count(body: dict[str, Any], key: str, limit: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise bad_request(f"kv_transfer_params.{key} must be a non-negative integer of tokens, "
-                          f"got {v!r}", f"kv_transfer_params.{key}")
+    param = f"kv_transfer_params.{key}"
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{param} must be an integer number of tokens, got {v!r}", param,
+                          code="invalid_type")
+    if not 0 <= v <= limit:
+        shown = repr(v) if len(str(v)) <= 20 else f"an integer of {len(str(abs(v)))} digits"
+        raise bad_request(f"{param} must be a number of tokens in [0, {limit}], got {shown}",
+                          param)
     return v
 
 

@@ -1,31 +1,37 @@
 """OpenAI request and response schemas (and vLLM's extensions), as pydantic models.
 
 Types are checked here; ranges are checked once, by engine.SamplingParams, so an error message
-always names the same limits the engine enforces."""
+always names the same limits the engine enforces.
+
+Request bodies are strict: a value of the wrong JSON type is a 400 `invalid_type` naming the
+field, never converted ("5" is not a number, 1 is not a boolean, 1.0 is not a token id). The one
+widening is JSON's own: an integer is a number, so `"temperature": 1` is 1.0. A null for a field
+that has a default means what leaving the field out means."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_serializer
-
-
-def _not_bool(value: Any) -> Any:
-    """JSON's true and false are not numbers (pydantic would read true as 1)."""
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_not_bool)]
-Float = Annotated[float, BeforeValidator(_not_bool)]
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
+                      field_serializer, model_serializer, model_validator)
 
 # ---- shared ------------------------------------------------------------------------------------
 
 
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do; known-unsupported ones are rejected.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        """`"max_tokens": null` means the default (16 on completions), as leaving it out does,
+        not "no value" (which ran to the end of the context). A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Body):
@@ -38,27 +44,27 @@ class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    n: Optional[Int] = 1
+    n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[Int] = None
-    temperature: Optional[Float] = None
-    top_p: Optional[Float] = None
-    presence_penalty: Optional[Float] = None
-    frequency_penalty: Optional[Float] = None
-    logit_bias: Optional[dict[str, Float]] = None
+    seed: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # vLLM extensions
-    top_k: Optional[Int] = None
-    min_p: Optional[Float] = None
-    repetition_penalty: Optional[Float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     ignore_eos: Optional[bool] = False
-    min_tokens: Optional[Int] = 0
-    stop_token_ids: Optional[list[Int]] = None
+    min_tokens: Optional[int] = 0
+    stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
-    priority: Optional[Int] = None
+    priority: Optional[int] = None
     cache_salt: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's per-request KV tier filters and budgets (server/policy.py)."""
@@ -75,11 +81,11 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[Int], list[list[Int]]]
-    max_tokens: Optional[Int] = 16
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
     echo: Optional[bool] = False
-    logprobs: Optional[Int] = None
-    best_of: Optional[Int] = None
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
     suffix: Optional[str] = None
 
 
@@ -112,10 +118,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[Int] = None
-    max_completion_tokens: Optional[Int] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[Int] = None
+    top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
@@ -137,10 +143,23 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
-    tokens: list[Int]
+    tokens: list[int]
 
 
 # ---- responses ---------------------------------------------------------------------------------
+
+
+class _KVEcho(BaseModel):
+    """A response with vLLM's kv_transfer_params field: left out of the JSON when None (a
+    request that sent none gets none back, as from vLLM), not written as null."""
+
+    @model_serializer(mode="wrap")
+    def _echo_only_when_set(self, handler: SerializerFunctionWrapHandler):
+        # No return annotation: the schema (OpenAPI's too) stays the model's own.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("kv_transfer_params", ...) is None:
+            del data["kv_transfer_params"]
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -169,7 +188,7 @@ class CompletionChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_KVEcho):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -179,7 +198,8 @@ class CompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
-    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice); only for a request
+    that sent kv_transfer_params, and left out, not null, otherwise (as vLLM does)."""
 
 
 class TopLogprob(BaseModel):
@@ -210,7 +230,7 @@ class ChatChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_KVEcho):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -220,7 +240,8 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
-    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice); only for a request
+    that sent kv_transfer_params, and left out, not null, otherwise (as vLLM does)."""
 
 
 class DeltaFunctionCall(BaseModel):
@@ -257,7 +278,7 @@ class ChatChunkChoice(BaseModel):
         return delta.model_dump(exclude_none=True)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_KVEcho):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -267,7 +288,8 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: Optional[str] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     """vLLM's echo of the KV tier parameters applied, with tierserve's kv_policy and
-    kv_hit_tokens (on a stream: in the chunk that finishes each choice)."""
+    kv_hit_tokens (on a stream: in the chunk that finishes each choice); only for a request
+    that sent kv_transfer_params, and left out, not null, otherwise (as vLLM does)."""
 
 
 class ModelCard(BaseModel):

@@ -18,7 +18,7 @@ from tierserve.engine.async_engine import (AsyncEngine, ChildRequest, EngineStop
                                            QueueFull)
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.sampling_params import ParamError, SamplingParams
-from tierserve.server.auth import caller
+from tierserve.server.auth import caller, tenant_of
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
@@ -82,6 +82,10 @@ class Call:
     created: int
     cache_scope: str | None = None
     """The caller's cache scope: its key's digest under cache_scope per-key, else None."""
+    tenant: str | None = None
+    """Whose share of the engine the call uses (fair share): its key's tenant, else None."""
+    echo_kv: bool = False
+    """The request sent kv_transfer_params: its answer echoes them as applied (vLLM's rule)."""
 
 
 def context(request: Request) -> ServerContext:
@@ -90,7 +94,8 @@ def context(request: Request) -> ServerContext:
 
 def start_call(request: Request, body: _SamplingFields) -> Call:
     ctx = context(request)
-    hints = parse_hints(request.headers, body.kv_transfer_params, ctx.tiers).over(ctx.default_hints)
+    hints = parse_hints(request.headers, body.kv_transfer_params, ctx.tiers,
+                        ctx.engine.max_model_len).over(ctx.default_hints)
     if hints.sparse_attention and not ctx.engine.info.sparse.enabled:
         raise bad_request("header X-Sparse-Attention: on, but sparse attention is not enabled on "
                           "this server (start it with --sparse-topk-blocks or --sparse-topk-ratio)",
@@ -98,7 +103,8 @@ def start_call(request: Request, body: _SamplingFields) -> Call:
     if hints.speculative and ctx.engine.info.speculative is None:
         raise bad_request("header X-Speculative: on, but speculative decoding is not enabled on "
                           "this server (start it with --speculative-config)", "X-Speculative")
-    return Call(request.state.request_id, hints, int(time.time()), _cache_scope(ctx, request))
+    return Call(request.state.request_id, hints, int(time.time()), _cache_scope(ctx, request),
+                echo_kv=body.kv_transfer_params is not None, tenant=tenant_of(request))
 
 
 def _cache_scope(ctx: ServerContext, request: Request) -> str | None:
@@ -113,8 +119,9 @@ def _cache_scope(ctx: ServerContext, request: Request) -> str | None:
 def kv_facts(ctx: ServerContext, call: Call, outputs: list[RequestOutput],
              n: int) -> tuple[dict[str, str], dict | None]:
     """What the tier policy did for a finished group: the X-KV-Policy and X-KV-Hit-Tokens
-    headers and the kv_transfer_params echo. Hit tokens count each prompt once (as usage does);
-    the policy is the first choice's (every choice of a request has the same hints)."""
+    headers (always) and the kv_transfer_params echo (see kv_echo). Hit tokens count each prompt
+    once (as usage does); the policy is the first choice's (every choice of a request has the
+    same hints)."""
     done = [o for o in outputs if o.kv_decision is not None]
     if not ctx.tiers or not done:
         return {}, None
@@ -123,15 +130,16 @@ def kv_facts(ctx: ServerContext, call: Call, outputs: list[RequestOutput],
         if k % n == 0 and out.kv_hit_tokens:
             for tier, tokens in out.kv_hit_tokens.items():
                 hits[tier] = hits.get(tier, 0) + tokens
-    echo = kv_echo(ctx, call, done[0].kv_decision, hits)
-    return {"X-KV-Policy": echo["kv_policy"],
-            "X-KV-Hit-Tokens": ",".join(f"{t}={v}" for t, v in hits.items())}, echo
+    return {"X-KV-Policy": policy_header(done[0].kv_decision),
+            "X-KV-Hit-Tokens": ",".join(f"{t}={v}" for t, v in hits.items())}, \
+        kv_echo(ctx, call, done[0].kv_decision, hits)
 
 
 def kv_echo(ctx: ServerContext, call: Call, decision: TierDecision | None,
             hits: dict[str, int] | None) -> dict | None:
-    """kv_transfer_params as applied, with the policy in words and the hit tokens per cache."""
-    if not ctx.tiers or decision is None:
+    """kv_transfer_params as applied, with the policy in words and the hit tokens per cache;
+    None (left out of the answer) unless the request sent kv_transfer_params."""
+    if not ctx.tiers or decision is None or not call.echo_kv:
         return None
     echo = applied_params(call.hints, decision.load_tiers, decision.store_tiers, ctx.tiers)
     echo.update(kv_policy=policy_header(decision), kv_hit_tokens=hits or {})
@@ -160,6 +168,10 @@ def sampling_params(body: _SamplingFields, ctx: ServerContext, max_tokens: int |
     max_tokens = _limited_max_tokens(body, ctx.config.max_tokens_limit, max_tokens)
     vocab = ctx.engine.tokenizer.vocab_size
     stop_ids = list(body.stop_token_ids or [])
+    bad = next((t for t in stop_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"stop_token_ids: token id {bad} is out of range [0, {vocab})",
+                          "stop_token_ids")
     top_k = body.top_k
     if top_k is not None and top_k > vocab:
         top_k = vocab  # keeping more than the vocabulary is keeping all of it
@@ -251,7 +263,7 @@ def admit(ctx: ServerContext, call: Call, prompts: list[list[int]], params: Samp
             children.append(ChildRequest(f"{base}-{p * params.n + j}", ids, child,
                                          body.priority or 0, body.cache_salt,
                                          None if call.hints.empty else call.hints,
-                                         call.cache_scope))
+                                         call.cache_scope, tenant=call.tenant))
     try:
         stream = ctx.engine.add_group(children)
     except ParamError as e:

@@ -1,13 +1,20 @@
-"""The HTTP/1.1 connection: uvicorn's h11 protocol with two limits on a request's head.
+"""The HTTP/1.1 connection: uvicorn's h11 protocol with limits on a request's head and body.
 
     connection opens, or a response ends on a kept-alive connection
         -> the head must be whole within header_timeout_s, else 408 (or, if not one byte of it
            came, a quiet close, as an idle kept-alive connection gets)
     a head over max_header_bytes -> 431 with an OpenAI-style error body
+    the head is whole, a body is due
+        -> from header_timeout_s after the head on, the body must have come at min_body_rate
+           bytes/s on average since the head, until its last byte; else 408
 
 The header deadline is set when the wait for a head begins and never moves: bytes that trickle
-in (slowloris) do not push it back. uvicorn's own keep-alive timer, which any byte cancels,
-still closes an idle connection sooner. Each refusal ends with a lingering close (see _linger)."""
+in (slowloris) do not push it back. The body's rule is an average, so a trickle does not push it
+back either, while a large body on a slow but honest link (above min_body_rate) is let through.
+While the server itself stops reading (uvicorn's flow control: the app has not taken what came),
+the client is not late: the average starts again. uvicorn's own keep-alive timer, which any byte
+cancels, still closes an idle connection sooner. Each refusal ends with a lingering close (see
+_linger)."""
 
 from __future__ import annotations
 
@@ -20,10 +27,17 @@ from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from tierserve.server.errors import error_body
 
 
-def limited_h11(header_timeout_s: float, max_header_bytes: int) -> type[LimitedH11Protocol]:
+MIN_BODY_RATE = 1024
+"""Bytes per second a request body must average once header_timeout_s has passed since its head
+(a JSON body of a few KiB is whole long before; Kestrel's like rule asks for 240)."""
+
+
+def limited_h11(header_timeout_s: float, max_header_bytes: int,
+                min_body_rate: float = MIN_BODY_RATE) -> type[LimitedH11Protocol]:
     """The protocol class to pass as uvicorn.Config(http=...), with these limits."""
     return type("LimitedH11Protocol", (LimitedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
+                {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes,
+                 "min_body_rate": min_body_rate})
 
 
 class _HeadLimitedConnection(h11.Connection):
@@ -36,12 +50,19 @@ class _HeadLimitedConnection(h11.Connection):
         super().__init__(h11.SERVER, max_incomplete_event_size=max_header_bytes)
         self.max_header_bytes = max_header_bytes
         self.error: h11.RemoteProtocolError | None = None
+        self.body_bytes = 0
+        """Body bytes of the current request taken from the wire so far."""
 
     def next_event(self):
         try:
             event = super().next_event()
-            if isinstance(event, h11.Request) and _head_bytes(event) > self.max_header_bytes:
-                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            if isinstance(event, h11.Request):
+                if _head_bytes(event) > self.max_header_bytes:
+                    raise h11.RemoteProtocolError("request head too large",
+                                                  error_status_hint=431)
+                self.body_bytes = 0
+            elif isinstance(event, h11.Data):
+                self.body_bytes += len(event.data)
             return event
         except h11.RemoteProtocolError as e:
             self.error = e
@@ -59,6 +80,7 @@ class LimitedH11Protocol(H11Protocol):
 
     header_timeout_s: float = 10.0
     max_header_bytes: int = 64 << 10
+    min_body_rate: float = MIN_BODY_RATE
     linger_s: float = 2.0
     """After a refusal, how long what the client still sends is read and dropped."""
 
@@ -66,15 +88,18 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.conn = _HeadLimitedConnection(self.max_header_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_since: tuple[float, int] = (0.0, 0)
+        """Where the body's average is measured from: (loop time, body bytes then)."""
         self._linger_timer: asyncio.TimerHandle | None = None
         self._lingering = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._sync_head_timer()
+        self._sync_timers()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._linger_timer):
+        for timer in (self._head_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
@@ -85,11 +110,15 @@ class LimitedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        self._sync_head_timer()
+        self._sync_timers()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start the next cycle (a kept-alive connection)
+        self._sync_timers()
+
+    def _sync_timers(self) -> None:
         self._sync_head_timer()
+        self._sync_body_timer()
 
     def _sync_head_timer(self) -> None:
         """The timer runs exactly while h11 waits for a head (the client's state is IDLE only
@@ -111,6 +140,43 @@ class LimitedH11Protocol(H11Protocol):
             return
         self._refuse(408, f"the request head did not arrive within {self.header_timeout_s:g} s",
                      "request_timeout")
+
+    def _sync_body_timer(self) -> None:
+        """The body's check runs exactly while h11 expects body bytes (SEND_BODY): its first
+        look is header_timeout_s after the head."""
+        receiving = (self.conn.their_state is h11.SEND_BODY and not self._lingering
+                     and not self.transport.is_closing())
+        if receiving and self._body_timer is None:
+            self._body_since = (self.loop.time(), 0)  # bytes that came with the head count
+            self._body_timer = self.loop.call_later(self.header_timeout_s, self._check_body)
+        elif not receiving and self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _check_body(self) -> None:
+        """Still short of the body: 408 if its average since the head is under min_body_rate,
+        else look again when, without another byte, it would be."""
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        now, (since, base) = self.loop.time(), self._body_since
+        waiting = self.cycle is not None and self.cycle.waiting_for_100_continue
+        if self.flow.read_paused or waiting:  # the server is not reading: measure from now
+            self._body_since = (now, self.conn.body_bytes)
+            self._body_timer = self.loop.call_later(self.header_timeout_s, self._check_body)
+            return
+        received = self.conn.body_bytes - base
+        due = since + received / self.min_body_rate
+        if due > now:
+            self._body_timer = self.loop.call_later(max(due - now, 0.1), self._check_body)
+            return
+        self._refuse(408, f"the request body came slower than {self.min_body_rate:g} bytes/s "
+                     f"({received} bytes in {now - since:.1f} s after the head)",
+                     "request_timeout")
+        if self.cycle is not None and not self.cycle.response_complete:
+            # the app waits on the body: it learns the client is gone, and answers no one
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to any RemoteProtocolError: 431 for a head over the limit, else 400,

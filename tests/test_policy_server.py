@@ -36,8 +36,13 @@ def _raw_completion(client, **kw):
 
 
 def test_headers_steer_the_tiers_and_the_response_says_so(client):
-    r = _raw_completion(client, extra_headers={"X-KV-Load-Tiers": "disk",
-                                               "X-KV-Store-Tiers": "cpu,disk"})
+    """The headers always; the body's echo only for a request that sent kv_transfer_params
+    (vLLM's rule: `{}` asks for it)."""
+    headers = {"X-KV-Load-Tiers": "disk", "X-KV-Store-Tiers": "cpu,disk"}
+    plain = _raw_completion(client, extra_headers=headers)
+    assert plain.headers["x-kv-policy"] == "load=disk; store=cpu,disk"
+    assert "kv_transfer_params" not in json.loads(plain.text)
+    r = _raw_completion(client, extra_headers=headers, extra_body={"kv_transfer_params": {}})
     assert r.headers["x-kv-policy"] == "load=disk; store=cpu,disk"
     hits = dict(kv.split("=") for kv in r.headers["x-kv-hit-tokens"].split(","))
     assert set(hits) == {"device", "cpu", "disk"}
@@ -104,14 +109,19 @@ def test_a_repeated_prompt_reports_its_device_hit(client):
     assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
 
 
+def _stream_chunks(server, body: dict, headers: dict) -> list[dict]:
+    with httpx.stream("POST", server.v1 + "/completions", json=body, headers=headers,
+                      timeout=60) as r:
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
 def test_a_stream_carries_the_facts_in_its_final_chunk(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True, "temperature": 0}
     headers = {"X-KV-Load-Tiers": "cpu", "X-SLO-Class": "batch"}
-    with httpx.stream("POST", server.v1 + "/completions", json=body, headers=headers,
-                      timeout=60) as r:
-        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert all("kv_transfer_params" not in c for c in _stream_chunks(server, body, headers))
+    chunks = _stream_chunks(server, body | {"kv_transfer_params": {}}, headers)
     final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(final) == 1 and all(c.get("kv_transfer_params") is None
+    assert len(final) == 1 and all("kv_transfer_params" not in c
                                    for c in chunks if c is not final[0])
     echo = final[0]["kv_transfer_params"]
     assert echo["kv_policy"].startswith("load=cpu; store=disk")  # the default store: disk
@@ -121,7 +131,8 @@ def test_a_stream_carries_the_facts_in_its_final_chunk(server):
 def test_chat_stream_with_the_openai_client(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=3,
-        stream=True, extra_headers={"X-SLO-Class": "interactive", "X-SLO-TTFT-Ms": "2000"})
+        stream=True, extra_headers={"X-SLO-Class": "interactive", "X-SLO-TTFT-Ms": "2000"},
+        extra_body={"kv_transfer_params": {}})
     chunks = list(stream)
     echo = [c.model_extra.get("kv_transfer_params") for c in chunks]
     assert echo[-1] is not None and echo[-1]["kv_policy"].startswith("load=cpu,disk; store=disk")

@@ -47,6 +47,9 @@ class Request:
     cache_scope: str | None = None
     """Who may share this request's KV blocks (the server's per-API-key scope; None: anyone with
     the same salt). Mixed into the block hashes with the salt, so a salt cannot cross scopes."""
+    tenant: str | None = None
+    """Whose share of the engine the request uses (engine/core/fair_share.py): a short digest of
+    the caller's API key, never the key; None: the one tenant of a server without keys."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -14,6 +14,12 @@ admitted like any other. `update` returns the blocks that became full, for the t
 A second hook, `ready(request)`, holds a request in the queue the same way while its structured-
 output grammar compiles.
 
+Tenants (API keys) share the engine through a small policy object (engine/core/fair_share.py):
+it orders the waiting requests for seats, gives each tenant a quota of the step's budget and
+picks whom to preempt; a newcomer's step may be shorter than the budget. FirstCome (fair_share
+off, or one tenant) is the order above. Tokens a tenant's quota leaves unspent (a prefix hit, a
+load) go to the requests quotas held back.
+
 Speculative decoding: a decode whose request holds proposals (`spec_token_ids`, set by the
 speculator before `schedule`) computes 1 + k positions (its last token, then the proposals; the
 budget may trim them) and its blocks cover them. The update counts computed only the last token
@@ -29,6 +35,7 @@ from typing import Callable, Iterable
 from tierserve.engine.core.block_hash import BlockHash, extend_hashes
 from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.config import SchedulerConfig, SchedulingPolicy
+from tierserve.engine.core.fair_share import FairShare, FirstCome, Shares
 from tierserve.engine.core.kv_hints import SloClass
 from tierserve.engine.core.request import Request, RequestId, RequestStatus
 
@@ -92,6 +99,14 @@ def _class_rank(req: Request) -> int:
     return _CLASS_RANK[req.hints.slo_class]
 
 
+def _fcfs_rank(req: Request) -> tuple:
+    return _class_rank(req), req.arrival_time
+
+
+def _priority_rank(req: Request) -> tuple:
+    return req.priority, _class_rank(req), req.arrival_time  # priority wins over the SLO class
+
+
 def _phase(s: ScheduledRequest) -> int:
     """Step order: decodes, verified decodes (their rows are decode rows too), prefills."""
     if s.num_new_tokens == 1:
@@ -113,6 +128,9 @@ class Scheduler:
         self.ready = ready
         """False while a request may not start yet (its structured-output grammar compiles):
         it keeps its place in the queue and others are admitted past it."""
+        rank = _priority_rank if config.policy is SchedulingPolicy.PRIORITY else _fcfs_rank
+        self.share = FairShare(rank) if config.fair_share else FirstCome(rank)
+        """Seats, token quotas and preemption across tenants (see the module docstring)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -149,63 +167,89 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[RequestId] = []
         if self.config.policy is SchedulingPolicy.PRIORITY:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or budget == 0:
+        seats = self.config.max_num_seqs - len(self.running)
+        offered = self.share.admission_order(self._ready_waiting(), self.running) \
+            if seats > 0 else []
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        shares = self.share.quotas(self.config.max_num_batched_tokens, running, offered[:seats],
+                                   self._want)
+        budget = shares.budget
+        for req in running:
+            allowed = shares.allowed(req, budget)
+            if req.status is not RequestStatus.RUNNING or allowed == 0:
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, allowed)
             while not self._grow(req, req.num_computed_tokens + n):
                 if req.spec_token_ids:  # proposals are given up before anyone is preempted
                     req.spec_token_ids = []
-                    n = self._chunk(req, budget)
+                    n = self._chunk(req, allowed)
                     continue
-                victim = self.running[-1]  # lowest ranked; never one already scheduled
+                victim = self._victim(scheduled)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
                 scheduled.append(self._entry(req, n))
+                shares.take(req, n)
                 budget -= n
         if not preempted:
-            budget = self._admit(budget, scheduled)
+            held: list[Request] = []
+            budget = self._admit(budget, scheduled, offered, shares, held)
+            # what a quota left unspent (a prefix hit, a load) goes to those quotas held back
+            budget = self._admit(budget, scheduled, held, Shares(budget, {}, budget), [])
         scheduled.sort(key=_phase)
-        return SchedulerOutput(tuple(scheduled), self.config.max_num_batched_tokens - budget,
-                               tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), shares.budget - budget, tuple(preempted))
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting()
-            if req is None:
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest], offered: list[Request],
+               shares: Shares, held: list[Request]) -> int:
+        """Seat the offered requests in order while budget and seats last; those whose tenant's
+        quota is spent go to `held`."""
+        for req in offered:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            allowed = shares.allowed(req, budget)
+            if allowed == 0:
+                held.append(req)
+                continue
             if not req.block_ids:
                 self._match_prefix(req)
             if self.on_admit(req):
                 req.status = RequestStatus.LOADING
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, allowed)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
+                held.clear()  # out of blocks: no one else gets in this step either
                 break
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             scheduled.append(self._entry(req, n))
+            shares.take(req, n)
             budget -= n
         return budget
 
-    def _next_waiting(self) -> Request | None:
-        ready = [r for r in self.waiting
-                 if r.status is not RequestStatus.LOADING and self.ready(r)]
-        if not ready:
-            return None
-        if self.config.policy is SchedulingPolicy.PRIORITY:  # priority wins over the SLO class
-            return min(ready, key=lambda r: (r.priority, _class_rank(r), r.arrival_time))
-        return min(ready, key=lambda r: (_class_rank(r), r.arrival_time))
+    def _ready_waiting(self) -> list[Request]:
+        return [r for r in self.waiting if r.status is not RequestStatus.LOADING and self.ready(r)]
+
+    def _want(self, req: Request) -> int:
+        """Tokens the request computes this step if it gets the whole budget (its demand)."""
+        n = req.num_tokens - req.num_computed_tokens
+        if req.spec_token_ids:
+            return n + len(req.spec_token_ids)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
+    def _victim(self, scheduled: list[ScheduledRequest]) -> Request:
+        """Whom to preempt: never a request already scheduled this step (its entry holds its
+        blocks); FirstCome's is the last running request, the lowest ranked."""
+        taken = {s.request for s in scheduled}
+        return self.share.victim([r for r in self.running if r not in taken], self.running)
 
     def complete_load(self, req: Request, block_ids: list[int]) -> None:
         """Blocks whose KV was read from a tier and written to the device follow the request's

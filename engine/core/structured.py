@@ -17,6 +17,13 @@ from typing import Any
 
 from tierserve.engine.sampling_params import ParamError
 
+GRAMMAR_CACHE_BYTES = 256 << 20
+"""Default bound of the compiled-grammar cache (EngineConfig.grammar_cache_bytes)."""
+GRAMMAR_MAX_BYTES = 64 << 20
+"""Default largest compiled grammar (EngineConfig.grammar_max_bytes)."""
+GRAMMAR_COMPILES_PER_KEY = 4
+"""Default large compiles one key may have queued or running (grammar_compiles_per_key)."""
+
 
 class GrammarKind(enum.Enum):
     JSON = "json"

@@ -1,17 +1,21 @@
 """Structured outputs with xgrammar: compiled grammars, per-request matchers, the step's mask.
 
     who                     what                                      thread
-    GrammarCompiler.submit  compile a StructuredOutput once per key   a small pool (never the step)
-                            (a future; cached, failures too)          callers: server, engine
+    GrammarCompiler.submit  a ticket for the compile of a             any (server, engine)
+                            StructuredOutput (cached by bytes)
+    GrammarPool             the compile, fair across tenants: in a    its worker threads and
+                            process that can be killed, then here     processes (grammar_pool.py)
     GrammarBook.add         a request waits until its compile is done  engine loop
     GrammarBook.mask        the bitmask of the step's constrained rows engine loop (in the step)
     GrammarBook.accept      advance a matcher by the sampled token    engine loop
 
 A request whose grammar is still compiling waits in the scheduler's queue (`ready` is False):
-other requests run meanwhile, and the step never compiles. The mask is applied to the logits
-where they live (xgrammar's kernel: CPU or CUDA) before the sampler takes logprobs, so reported
-logprobs are those of the constrained distribution, and constrained and free rows share a batch.
-A matcher that accepts a stop token is terminated: the grammar allowed EOS only once complete.
+other requests run meanwhile, and the step never compiles. A compile stops when no ticket waits
+for it any more (each caller cancels its ticket when it gives up). The mask is applied to the
+logits where they live (xgrammar's kernel: CPU or CUDA) before the sampler takes logprobs, so
+reported logprobs are those of the constrained distribution, and constrained and free rows share
+a batch. A matcher that accepts a stop token is terminated: the grammar allowed EOS only once
+complete.
 """
 
 from __future__ import annotations
@@ -22,23 +26,28 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Hashable
 
 import numpy as np
 import torch
 
-from tierserve.engine.core.structured import GrammarKind, StructuredOutput
+from tierserve.engine.core.structured import (GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILES_PER_KEY,
+                                              GRAMMAR_MAX_BYTES, GrammarKind, StructuredOutput)
 from tierserve.engine.sampling_params import ParamError
 from tierserve.engine.tokenizer import TextTokenizer
+from tierserve.engine.worker.grammar_cache import Entry, GrammarCache
+from tierserve.engine.worker.grammar_child import compile_grammar, malloc_trim
+from tierserve.engine.worker.grammar_pool import (Busy, CompileProgress, Compiled, GrammarBusy,
+                                                  GrammarPool, Job, Outcome, Refused)
 
 log = logging.getLogger(__name__)
 
-_CACHE_ENTRIES = 512
 _ADDEND = np.array([-np.inf, 0.0], dtype=np.float32)
 """Bit 0 (masked) -> -inf, bit 1 (allowed) -> 0."""
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
+_TRIM_BYTES = 1 << 20
+"""Evictions of at least this many bytes hand the freed heap back to the OS (malloc_trim)."""
 
 class GrammarError(ParamError):
     """A schema, regex or grammar xgrammar refuses; the message is the compiler's reason."""
@@ -62,81 +71,160 @@ class GrammarStats:
     mask_seconds: float = 0.0
     """Time the steps spent filling and applying token bitmasks."""
     masked_rows: int = 0
+    cache_bytes: int = 0
+    """Bytes the compile cache holds now (bounded by grammar_cache_bytes)."""
+    cache_entries: int = 0
+    cache_evictions: int = 0
+    """Grammars the cache let go to stay under its bound."""
+    compiles_running: int = 0
+    compiles_queued: int = 0
+    compiles_cancelled: int = 0
+    """Compiles stopped (dequeued, or their process killed) because no request waited for them:
+    their requests timed out or went away."""
+    compiles_rejected: int = 0
+    """Compiles refused because their key had grammar_compiles_per_key in flight (429s)."""
+
+
+class CompileTicket(cf.Future):
+    """One caller's wait for a compile: a Future of the compiled grammar (GrammarError inside
+    when it is refused, GrammarBusy when its key was at its limit). Cancel it to stop waiting:
+    the compile stops once no ticket waits for it."""
+
+    def __init__(self, key: Hashable, job: Job | None, pool: GrammarPool):
+        super().__init__()
+        self.key, self.job, self._pool = key, job, pool
+
+    def progress(self) -> CompileProgress | None:
+        """Where the compile is now (None once it is done, or for a cache hit)."""
+        return None if self.job is None or self.done() else self._pool.progress(self.job)
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one tokenizer on a thread pool, cached by canonical text.
+    """Compiles StructuredOutputs for one tokenizer in a GrammarPool; caches the results by
+    canonical text and caller's scope, bounded by bytes (GrammarCache).
 
     Thread-safe: the server submits (to answer a bad schema with a 400 before the request is
-    queued) and the engine submits (the offline API), and both get the same future."""
+    queued) and the engine submits (the offline API); both wait on the same compile."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, stop_ids: tuple[int, ...],
-                 threads: int = 2):
+                 workers: int = 2, cache_bytes: int = GRAMMAR_CACHE_BYTES,
+                 max_bytes: int = GRAMMAR_MAX_BYTES, per_key: int = GRAMMAR_COMPILES_PER_KEY):
         import xgrammar as xgr  # imports transformers: only engines that get a grammar pay it
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        info = _tokenizer_info(xgr, tokenizer, vocab_size, stop_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple[str, str], cf.Future] = OrderedDict()
+        self._info = _tokenizer_info(xgr, tokenizer, vocab_size, stop_ids)
+        self._cache = GrammarCache(cache_bytes)
         self._lock = threading.Lock()
         self._counts = dict(cache_hits=0, compile_errors=0, compile_seconds=0.0)
         self._compile_counts = [0] * (len(COMPILE_BUCKETS) + 1)
+        # a grammar larger than the cache could not be kept for the engine's own lookup after
+        # the server's: at most the cache's bytes
+        self._here = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        """Compiles in this process what a compiler process proved (grammar_pool)."""
+        self.pool = GrammarPool(self._info.serialize_json().encode(), self._compile_here,
+                                self._settle, workers=workers, per_tenant=per_key,
+                                max_bytes=min(max_bytes, cache_bytes))
 
     def stats(self, **more) -> GrammarStats:
         """The compile counters now, with the engine's own (`more`)."""
+        running, queued = self.pool.load()
         with self._lock:
-            return GrammarStats(compile_counts=tuple(self._compile_counts), **self._counts, **more)
+            return GrammarStats(
+                compile_counts=tuple(self._compile_counts), **self._counts, **more,
+                cache_bytes=self._cache.bytes, cache_entries=len(self._cache),
+                cache_evictions=self._cache.evictions, compiles_running=running,
+                compiles_queued=queued, compiles_cancelled=self.pool.cancelled,
+                compiles_rejected=self.pool.rejected)
 
-    def submit(self, spec: StructuredOutput, scope: str | None = None,
-               count: bool = True) -> cf.Future:
-        """The compiled grammar's future (done at once on a cache hit); GrammarError inside.
-        `scope`: the caller's cache scope (per API key): a tenant never finds another's grammar
-        compiled, so no compile time tells it what another sent (docs/security.md). `count`: a
-        hit counts as one (the engine's own lookup after the server's does not)."""
+    def submit(self, spec: StructuredOutput, scope: str | None = None, count: bool = True,
+               limited: bool = True) -> CompileTicket:
+        """A ticket for the compiled grammar (done at once on a cache hit). `scope`: the caller's
+        cache scope (per API key): a tenant never finds another's grammar compiled, so no
+        compile time tells it what another sent (docs/security.md); it is also the tenant the
+        pool is fair across. `count`: a hit counts as one (the engine's own lookup after the
+        server's does not). `limited`: GrammarBusy when the scope has grammar_compiles_per_key
+        large compiles in flight (the engine's own lookups are not limited)."""
         key = (scope, *spec.key)
         with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None:
-                self._cache.move_to_end(key)
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._counts["cache_hits"] += count
-                return fut
-            fut = self._pool.submit(self._compile, spec)
-            self._cache[key] = fut
-            while len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        return fut
+                if entry.job is None:
+                    return self._settled(key, entry)
+            else:
+                kind, text = _child_form(spec)
+                job = self.pool.submit(key, scope, kind, text, limited)
+                entry = self._cache.add(key, job, len(spec.text))
+            ticket = CompileTicket(key, entry.job, self.pool)
+            entry.tickets.add(ticket)
+        ticket.add_done_callback(self._ticket_done)
+        return ticket
 
-    def _compile(self, spec: StructuredOutput):
-        t0 = time.perf_counter()
-        try:
-            return self._build(spec)
-        except (RuntimeError, ValueError, TypeError) as e:
-            with self._lock:
-                self._counts["compile_errors"] += 1
-            raise GrammarError(spec.kind.value, _reason(e)) from None
-        finally:
-            took = time.perf_counter() - t0
-            with self._lock:
-                self._counts["compile_seconds"] += took
-                self._compile_counts[bisect.bisect_left(COMPILE_BUCKETS, took)] += 1
+    def _settled(self, key: Hashable, entry: Entry) -> CompileTicket:
+        ticket = CompileTicket(key, None, self.pool)
+        if entry.failed:
+            ticket.set_exception(entry.value)
+        else:
+            ticket.set_result(entry.value)
+        return ticket
 
-    def _build(self, spec: StructuredOutput):
-        c = self._compiler
-        if spec.kind is GrammarKind.JSON:
-            # no free whitespace (one line, ", " and ": "): a small model at temperature 1 can
-            # otherwise write whitespace until max_tokens (any_whitespace lets it)
-            return c.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
-        if spec.kind is GrammarKind.JSON_OBJECT:
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind is GrammarKind.REGEX:
-            return c.compile_regex(spec.text)
-        if spec.kind is GrammarKind.CHOICE:
-            return c.compile_grammar(spec.ebnf_choice())
-        if spec.kind is GrammarKind.GRAMMAR:
-            return c.compile_grammar(spec.text)
-        return c.compile_structural_tag(spec.text)
+    def _ticket_done(self, ticket: CompileTicket) -> None:
+        """A cancelled ticket: the last one waiting for a compile stops it."""
+        if not ticket.cancelled():
+            return
+        with self._lock:
+            entry = self._cache.get(ticket.key)
+            if entry is None or ticket not in entry.tickets:
+                return
+            entry.tickets.discard(ticket)
+            job = entry.job
+            if entry.tickets or job is None:
+                return
+            self._cache.drop(ticket.key)
+        self.pool.cancel(job)
+
+    def _compile_here(self, kind: str, text: str):
+        return compile_grammar(self._here, kind, text)
+
+    def _settle(self, job: Job, outcome: Outcome) -> None:
+        """The pool's word on `job`: keep it (or forget it), then answer its tickets."""
+        kind = job.key[1]
+        if isinstance(outcome, Compiled):
+            value, failed, size = outcome.grammar, False, outcome.bytes
+        elif isinstance(outcome, Busy):
+            value, failed, size = GrammarBusy(outcome.limit, job.tenant), True, 0
+        else:
+            value, failed, size = GrammarError(kind, _reason(outcome.reason)), True, 0
+        keep = isinstance(outcome, Compiled) or isinstance(outcome, Refused) and outcome.cacheable
+        freed = 0
+        with self._lock:
+            entry = self._cache.get(job.key)
+            if entry is None or entry.job is not job:
+                return  # every ticket was cancelled meanwhile
+            tickets, entry.tickets = entry.tickets, set()
+            if keep:
+                freed = self._cache.settle(job.key, value, failed, size)
+            else:
+                self._cache.drop(job.key)
+            self._count(outcome)
+        for t in tickets:
+            try:
+                t.set_exception(value) if failed else t.set_result(value)
+            except cf.InvalidStateError:  # cancelled just now
+                pass
+        if freed >= _TRIM_BYTES:
+            malloc_trim()
+
+    def _count(self, outcome: Outcome) -> None:
+        if isinstance(outcome, Busy):
+            return
+        if not isinstance(outcome, Compiled):
+            if not outcome.cacheable:
+                return
+            self._counts["compile_errors"] += 1
+        self._counts["compile_seconds"] += outcome.seconds
+        self._compile_counts[bisect.bisect_left(COMPILE_BUCKETS, outcome.seconds)] += 1
 
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
@@ -148,7 +236,14 @@ class GrammarCompiler:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+
+def _child_form(spec: StructuredOutput) -> tuple[str, str]:
+    """(kind, text) as grammar_child compiles them: a choice list as its EBNF grammar."""
+    if spec.kind is GrammarKind.CHOICE:
+        return GrammarKind.GRAMMAR.value, spec.ebnf_choice()
+    return spec.kind.value, spec.text
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
@@ -192,7 +287,7 @@ class GrammarBook:
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
-        self._pending: dict[str, cf.Future] = {}
+        self._pending: dict[str, CompileTicket] = {}
         self._matchers: dict[str, object] = {}
         self._bitmask = compiler.bitmask(1)
         self._requests, self._mask_seconds, self._masked_rows = 0, 0.0, 0
@@ -202,7 +297,7 @@ class GrammarBook:
                                    masked_rows=self._masked_rows)
 
     def add(self, request_id: str, spec: StructuredOutput, scope: str | None = None) -> None:
-        self._pending[request_id] = self.compiler.submit(spec, scope, count=False)
+        self._pending[request_id] = self.compiler.submit(spec, scope, count=False, limited=False)
         self._requests += 1
 
     def ready(self, request_id: str) -> bool:
@@ -279,7 +374,9 @@ class GrammarBook:
         return m.is_terminated()
 
     def remove(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
+        ticket = self._pending.pop(request_id, None)
+        if ticket is not None:
+            ticket.cancel()  # the compile stops if nobody else waits for it
         self._matchers.pop(request_id, None)
 
 

@@ -39,7 +39,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                       cfg.enable_auto_tool_choice, cfg.tool_call_parser)
     constraint = _constraint(body, plan)
     for c in (plan.schema_constraints() if plan else []) + ([constraint] if constraint else []):
-        await compile_checked(ctx.engine, c, cfg.grammar_compile_timeout_s, call.cache_scope)
+        await compile_checked(ctx.engine, c, cfg.grammar_compile_timeout_s, call.cache_scope,
+                              request)
     ids = [render_chat(ctx, body.messages, body.add_generation_prompt is not False,
                        body.chat_template_kwargs, plan)]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \

@@ -33,7 +33,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     constraint = requested(body)
     if constraint is not None:
         await compile_checked(ctx.engine, constraint, ctx.config.grammar_compile_timeout_s,
-                              call.cache_scope)
+                              call.cache_scope, request)
     params = sampling_params(body, ctx, body.max_tokens, body.logprobs, echo_lps,
                              structured=constraint.spec if constraint else None)
     stream = admit(ctx, call, prompts, params, body)
