@@ -34,6 +34,7 @@ from packaging.version import Version
 
 import registry_jobs
 from test_dependencies import _cuda_runtime, our_requirements, torch_requirements
+from test_docker import instructions
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_SET = ROOT / "requirements" / "gpu.txt"
@@ -80,23 +81,6 @@ def torch_cuda() -> tuple[int, int]:
 
 
 # ---- the Dockerfile, read as text ------------------------------------------------------------
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments): continuation lines joined, comments dropped."""
-    out, pending = [], ""
-    for line in text.splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        pending += line.rstrip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        if pending.strip():
-            word, _, rest = pending.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-        pending = ""
-    return out
-
 
 def base_images(text: str) -> list[str]:
     """Each stage's FROM image, build arguments' defaults filled in."""
