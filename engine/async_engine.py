@@ -42,6 +42,8 @@ from tierserve.engine.worker.sparse import SparseStats
 from tierserve.engine.spec.speculator import SpecStats
 
 log = logging.getLogger(__name__)
+GRAMMAR_INIT_WAIT_S = 120.0
+"""How long stop() waits for the grammar compiler still starting (an import cannot be cut)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,13 @@ class AsyncEngine:
         exits non-zero."""
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # the grammar compiler imports xgrammar (and transformers, ~2 s; much longer from a fresh
+        # venv on a busy box): off the event loop and the step, before the first structured
+        # request. stop() waits for it: a daemon thread still inside xgrammar's C++ when the
+        # interpreter finalizes aborts the process ("terminate called without an active
+        # exception") instead of exiting 0.
+        self._grammar_init = threading.Thread(target=lambda: self.engine.grammars,
+                                              name="grammar-init", daemon=True)
         self._wake = threading.Event()
 
     # ---- caller side (any thread; typically the event loop) -----------------------------------
@@ -215,10 +224,7 @@ class AsyncEngine:
     def start(self) -> None:
         self._publish()
         self._thread.start()
-        # the grammar compiler imports xgrammar (and transformers, ~2 s): off the event loop and
-        # the step, before the first structured request
-        threading.Thread(target=lambda: self.engine.grammars, name="grammar-init",
-                         daemon=True).start()
+        self._grammar_init.start()
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams,
               cache_salt: str | None = None) -> None:
@@ -269,6 +275,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._grammar_init.is_alive():
+            log.info("waiting for the grammar compiler to finish starting before exiting")
+            self._grammar_init.join(GRAMMAR_INIT_WAIT_S)
         self.engine.close()
 
     def _submit(self, fn: Callable[[], None], *streams: GroupStream) -> None:

@@ -22,6 +22,7 @@ import uvicorn
 
 from server_fixtures import MODEL, free_port
 from tierserve.engine.async_engine import AsyncEngine
+from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.llm import build_config
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.server.app import build_app
@@ -171,3 +172,19 @@ def test_dead_loop_thread_gives_503_at_once(srv):
                                                       "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and time.monotonic() - t0 < 5
     assert r.json()["error"]["code"] == "shutting_down"
+
+
+def test_stop_waits_for_the_grammar_compiler_still_starting():
+    """A server stopped as soon as it starts (a SIGTERM at the first health check): the grammar
+    compiler is still being built off the loop (xgrammar and transformers importing). stop()
+    waits for it and closes it: no thread is left inside xgrammar's C++ when the interpreter
+    exits, which aborted the process (exit -6, "terminate called without an active exception")."""
+    config = ServerConfig(kv_cache_memory_bytes=64 << 20, max_model_len=512, kv_tiers="none")
+    engine = AsyncEngine(LLMEngine(build_config(**config.engine_kwargs())), config.max_queue)
+    engine.start()
+    engine.stop()
+    assert not [t for t in threading.enumerate() if t.name == "grammar-init"]
+    book = engine.engine._grammars
+    assert book is not None, "the grammar compiler was built by start()'s thread"
+    with pytest.raises(Exception, match="stopped|closed"):
+        book.compiler.submit(StructuredOutput.json_object(), None).result(timeout=10)
