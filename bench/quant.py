@@ -3,7 +3,7 @@
     python bench/quant.py                         # every mode; a few minutes on 2 cores
     python bench/quant.py --modes none,gguf --rounds 3 --json out.json
 
-Quality: llama.cpp's perplexity method on tests/data/long_text.md (engine/worker/quant_eval.py):
+Quality: llama.cpp's perplexity method on tests/data/long_text.md (engine/eval/quant.py):
 top-1 agreement with the fp32 path and the perplexity change. Speed, offline (the engine alone,
 no HTTP): one stream's decode time per token (128 tokens after a short prompt, ignore_eos), and
 32 streams' output tokens/s (64-token prompts, 128 output tokens each); the engines take turns
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.tables import markdown_table, write_json  # noqa: E402
 from tierserve.engine import LLM, SamplingParams  # noqa: E402
-from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score  # noqa: E402
+from tierserve.engine.eval.quant import agreement, perplexity_change, score  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
                     "long_text.md")

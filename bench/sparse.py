@@ -153,7 +153,7 @@ def metadata(repeat: int) -> dict:
 
 def accuracy_at(ratio: float, block_size: int, start: int, positions: int) -> dict:
     """Teacher-forced agreement and perplexity, sparse K = ratio of the blocks against dense."""
-    from tierserve.engine.worker.sparse_eval import agreement, teacher_forced
+    from tierserve.engine.eval.sparse import agreement, teacher_forced
 
     text = (ROOT / "tests" / "data" / "long_text.md").read_text()
     n = start + positions

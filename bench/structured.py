@@ -157,7 +157,7 @@ async def throughput(server: RunningServer, rounds: int) -> dict[str, Any]:
 
 
 def compile_times(repeats: int) -> list[dict[str, Any]]:
-    from tierserve.engine.core.structured import StructuredOutput
+    from tierserve.engine.sampling_params import StructuredOutput
     from tierserve.engine.tokenizer import TextTokenizer
     from tierserve.engine.worker.grammar import GrammarCompiler
     from tierserve.engine.worker.loaders import load_model_source

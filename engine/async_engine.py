@@ -32,11 +32,10 @@ from typing import AsyncIterator, Callable
 
 from tierserve.engine.info import EngineInfo
 from tierserve.engine.core.kv_hints import KVHints
-from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.worker.tensor_parallel import WorkerDied
 from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.worker.grammar import GrammarStats
 from tierserve.engine.worker.sparse import SparseStats
 from tierserve.engine.spec.speculator import SpecStats

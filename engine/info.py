@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from tierserve.engine.worker.device import DeviceChoice, DtypeChoice
-from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.core.tier_descriptor import TierDescriptor
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,9 @@ from tierserve.engine.kv_tiers.config import TierConfig, describe_tiers
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.worker.model_runner import ModelRunner
 from tierserve.engine.worker.tensor_parallel import TPExecutor, check_shardable
-from tierserve.engine.outputs import CompletionOutput, RequestOutput
+from tierserve.engine.outputs import CompletionOutput, RequestOutput, TopLogprobs
 from tierserve.engine.core.request import Request, RequestId, RequestStatus
-from tierserve.engine.worker.sampler import TopLogprobs
-from tierserve.engine.sampling_params import ParamError, SamplingParams
+from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
 from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
@@ -36,7 +35,6 @@ from tierserve.engine.worker.tp_tiers import TPTierWorker
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
 from tierserve.engine.worker.quant import QuantizationError, check_mode, gguf_covers
 from tierserve.kernels.native import cpu_has, fused_ops
-from tierserve.engine.core.structured import StructuredOutput
 from tierserve.engine.spec.config import SpeculativeConfig
 from tierserve.engine.spec.draft import DraftModelProposer
 from tierserve.engine.spec.speculator import SpecStats, Speculator, make_proposer

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierserve.engine.worker.sampler import TopLogprobs
 from tierserve.engine.core.tier_policy import TierDecision
+
+
+@dataclass
+class TopLogprobs:
+    """Logprob of the chosen token and of the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

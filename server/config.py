@@ -19,6 +19,7 @@ import yaml
 
 from tierserve.engine.config import QUANTIZATIONS, parse_bytes
 from tierserve.engine.spec.config import SpeculativeConfig
+from tierserve.server.process_env import PROCESS_ENV
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,7 @@ BYTE_FIELDS = ("kv_cache_memory_bytes", "cpu_tier_bytes", "disk_tier_bytes", "ma
                "max_header_bytes", "grammar_cache_bytes", "grammar_max_bytes")
 """Settings that accept size suffixes (512MiB, 2GiB)."""
 ENV_PREFIX = "TIERSERVE_"
+
 """Each setting is also the variable TIERSERVE_<FIELD NAME IN CAPITALS>; other TIERSERVE_* names
 (TIERSERVE_CACHE, TIERSERVE_SPIN_US, ...) are not settings and are left alone here."""
 CONFIG_ENV = "TIERSERVE_CONFIG"
@@ -417,8 +419,6 @@ def env_typos(environ: Mapping[str, str]) -> list[str]:
     """A warning for each TIERSERVE_* variable that is no setting and no variable tierserve
     reads, but is close to one (TIERSERVE_MAX_QUEUE misspelt): it would be ignored in silence.
     Not an error: the prefix is not reserved, and other tools may use it."""
-    from tierserve.server.config_reference import PROCESS_ENV
-
     known = {ENV_PREFIX + n.upper() for n in FIELDS} | {CONFIG_ENV} | set(PROCESS_ENV)
     tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)  # the shared prefix would match
     out = []

@@ -14,8 +14,11 @@ import enum
 import inspect
 import textwrap
 
+from tierserve.server import config as server_config
+from tierserve.server.config import ENV_PREFIX
+from tierserve.server.process_env import PROCESS_ENV
+
 REGENERATE = "python -m tierserve.server.config_reference > docs/configuration.md"
-ENV_PREFIX = "TIERSERVE_"
 
 # Per-request hints as a client sends them (server/policy.py parses these into KVHints).
 HINT_SOURCES = {
@@ -26,32 +29,6 @@ HINT_SOURCES = {
     "max_load_tokens": "`kv_transfer_params.max_load_tokens`",
     "max_offload_tokens": "`kv_transfer_params.max_offload_tokens`",
 }
-
-# Process environment read outside the config (kernels, caches); tests/test_docs.py checks that
-# every TIERSERVE_* name in the code is either here or a setting's variable.
-PROCESS_ENV = {
-    "OMP_WAIT_POLICY": "`tierserve` sets `PASSIVE` at start-up unless it is already set: on a busy "
-                       "box torch's spinning OpenMP threads make it several times slower.",
-    "TIERSERVE_CACHE": "Cache root (default `~/.cache/tierserve`): the native extension's build, "
-                       "the backend profile, and the disk tier's folder when "
-                       "`disk_tier_dir` is unset (`$TIERSERVE_CACHE/kv`).",
-    "TIERSERVE_NATIVE": "`0` builds and loads no native extension: attention runs on torch SDPA "
-                        "and every op stays in torch.",
-    "TIERSERVE_NATIVE_OPS": "`0` keeps the linear layers (oneDNN) and element-wise ops in torch "
-                            "instead of the native extension.",
-    "TIERSERVE_NATIVE_MARCH": "The x86 level the native extension is built for (gcc's -march; "
-                              "default native: this CPU). haswell builds the AVX2 path on an "
-                              "AVX-512 box, for tests.",
-    "TIERSERVE_SPIN_US": "How long the native extension's workers stay awake between parallel "
-                         "loops, in microseconds (default 100; `0` sleeps at once).",
-    "TIERSERVE_TP_AUTHKEY": "Internal: the key a tensor-parallel worker process uses to connect "
-                            "back to the server that started it (set by the server for its "
-                            "workers, removed from their environment once read; never set it).",
-    "TIERSERVE_STACK_DECODE_MIN_BATCH": "Smallest decode batch that runs all layers in one "
-                                        "native call (default 1; `0` runs every step layer by "
-                                        "layer; the results are the same to the bit).",
-}
-
 
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: its docstring} of a dataclass, from the string literal after each field."""
@@ -126,14 +103,10 @@ def flag_of(name: str, is_bool: bool = False) -> str:
 
 
 def env_of(name: str) -> str:
-    from tierserve.server import config as server_config
-
-    return getattr(server_config, "ENV_PREFIX", ENV_PREFIX) + name.upper()
+    return ENV_PREFIX + name.upper()
 
 
 def _server_section() -> str:
-    from tierserve.server import config as server_config
-
     cls = server_config.ServerConfig
     docs, byte_fields = field_docs(cls), set(getattr(server_config, "BYTE_FIELDS", ()))
     rows = []

@@ -20,7 +20,7 @@ import math
 from typing import Any, Mapping
 
 from tierserve.engine.core.kv_hints import KVHints, SloClass
-from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.core.tier_descriptor import TierDescriptor
 from tierserve.engine.core.tier_policy import TierDecision
 from tierserve.server.errors import ApiError, bad_request
 

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tierserve.engine.core.structured import StructuredOutput
-from tierserve.engine.sampling_params import ParamError
+from tierserve.engine.sampling_params import ParamError, StructuredOutput
 from tierserve.engine.worker.grammar import CompileTicket, GrammarBusy
 from tierserve.engine.worker.grammar_pool import CompileProgress, JobState
 from tierserve.server.errors import ApiError, bad_request

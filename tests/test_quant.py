@@ -21,7 +21,7 @@ from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Gr
                                            Int8GroupWeight, QuantizationError, blocks_to_groups,
                                            gguf_covers, gguf_weight, quantize_int4,
                                            quantize_int8_groups)
-from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
+from tierserve.engine.eval.quant import agreement, perplexity_change, score
 from tierserve.kernels.native import cpu_has
 
 TEXT = (Path(__file__).parent / "data" / "long_text.md").read_text()

@@ -162,7 +162,7 @@ def test_tier_settings_take_suffixes_and_reach_the_engine_config(tmp_path):
 
 def test_default_hints_are_built_once_from_the_settings_and_named_when_bad():
     from tierserve.engine.core.kv_hints import KVHints, SloClass
-    from tierserve.engine.kv_tiers.media import Locality, Medium, TierDescriptor
+    from tierserve.engine.core.tier_descriptor import Locality, Medium, TierDescriptor
     from tierserve.server.errors import ApiError
     from tierserve.server.policy import default_hints
 

@@ -22,7 +22,7 @@ import uvicorn
 
 from server_fixtures import MODEL, free_port
 from tierserve.engine.async_engine import AsyncEngine
-from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.sampling_params import StructuredOutput
 from tierserve.engine.llm import build_config
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.server.app import build_app

@@ -20,7 +20,7 @@ from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.core.scheduler import ScheduledRequest
 from tierserve.engine.worker.sparse import SparseDecoder, choose_rows
-from tierserve.engine.worker.sparse_eval import agreement, teacher_forced
+from tierserve.engine.eval.sparse import agreement, teacher_forced
 
 TEXT = Path(__file__).parent / "data" / "long_text.md"
 """Prose from the project's docs, frozen: ~6,200 tokens of natural English."""

@@ -250,7 +250,7 @@ def test_blocks_come_back_after_speculation(spec_llm, copy_prompts):
 
 
 def test_structured_outputs_do_not_speculate_and_keep_their_grammar(llm, spec_llm):
-    from tierserve.engine.core.structured import StructuredOutput
+    from tierserve.engine.sampling_params import StructuredOutput
 
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutput
                             .choice(["alpha beta alpha beta", "gamma"]))

@@ -9,9 +9,8 @@ import time
 import jsonschema
 import pytest
 
-from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from tierserve.engine.llm import LLM
-from tierserve.engine.sampling_params import ParamError, SamplingParams
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.engine.worker.grammar import GrammarError
 from tierserve.server.tools import plan_tools, template_messages

@@ -9,7 +9,7 @@ import time
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.sampling_params import StructuredOutput
 from tierserve.engine.tokenizer import TextTokenizer, TokenizerInfo
 from tierserve.engine.worker import grammar_pool
 from tierserve.engine.worker.grammar import GrammarBusy, GrammarCompiler, GrammarError

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tierserve.engine.core.structured import StructuredOutput
+from tierserve.engine.sampling_params import StructuredOutput
 from tierserve.engine.worker.grammar import GrammarBusy, GrammarError
 from tierserve.engine.worker.grammar_pool import CompileProgress, JobState, Lane
 from tierserve.server.errors import ApiError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tierserve.engine.core.kv_hints import KVHints, SloClass
-from tierserve.engine.kv_tiers.media import Locality, Medium, TierDescriptor
+from tierserve.engine.core.tier_descriptor import Locality, Medium, TierDescriptor
 from tierserve.engine.core.tier_policy import CostModel, SkipReason, TierPolicy
 from tierserve.server.errors import ApiError
 from tierserve.server.policy import parse_hints, policy_header

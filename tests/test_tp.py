@@ -269,7 +269,7 @@ def test_a_draft_model_proposes_for_the_ranks(llm, varied_prompts):
 def test_structured_outputs_under_tp3_equal_tp1(llm):
     """The main process's matchers fill each constrained row's bitmask; every rank masks its
     logits with it: constrained and free rows in one batch give TP=1's tokens."""
-    from tierserve.engine.core.structured import StructuredOutput
+    from tierserve.engine.sampling_params import StructuredOutput
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},
@@ -312,7 +312,7 @@ def test_prefill_bf16_runs_on_every_rank(llm):
     stops in one line."""
     from pathlib import Path
 
-    from tierserve.engine.worker.quant_eval import agreement, perplexity_change, score
+    from tierserve.engine.eval.quant import agreement, perplexity_change, score
     from tierserve.kernels.native import cpu_has
 
     if not cpu_has("amx_bf16"):

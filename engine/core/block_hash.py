@@ -16,6 +16,9 @@ BlockHash = NewType("BlockHash", bytes)
 
 ROOT = BlockHash(b"\x00" * 16)
 
+BlockMeta = tuple[BlockHash | None, tuple[int, ...]]
+"""(parent hash or None, token ids) of one stored block: what a tier's KV events report."""
+
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     h = hashlib.sha256(parent)

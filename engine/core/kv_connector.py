@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tierserve.engine.core.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash, BlockMeta
 from tierserve.engine.core.block_pool import BlockPool, EvictedBlock
-from tierserve.engine.kv_tiers.events import BlockMeta
-from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.core.tier_descriptor import TierDescriptor
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.core.scheduler import FullBlock
 from tierserve.engine.core.tier_policy import CostModel, SkipReason, TierDecision, TierPolicy

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from tierserve.engine.core.kv_hints import KVHints, SloClass
-from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.core.tier_descriptor import TierDescriptor
 
 
 class SkipReason(enum.Enum):

@@ -10,10 +10,10 @@ from tierserve._lazy import lazy_getattr
 
 _LAZY = {
     "TierConfig": "tierserve.engine.kv_tiers.config",
-    "Medium": "tierserve.engine.kv_tiers.media",
-    "Locality": "tierserve.engine.kv_tiers.media",
-    "TierDescriptor": "tierserve.engine.kv_tiers.media",
-    "TIERS": "tierserve.engine.kv_tiers.registry",
+    "Medium": "tierserve.engine.core.tier_descriptor",
+    "Locality": "tierserve.engine.core.tier_descriptor",
+    "TierDescriptor": "tierserve.engine.core.tier_descriptor",
+    "TIERS": "tierserve.engine.kv_tiers.config",
     "tier_class": "tierserve.engine.kv_tiers.registry",
     "create_tier": "tierserve.engine.kv_tiers.registry",
     "TierError": "tierserve.engine.kv_tiers.errors",

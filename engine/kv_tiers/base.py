@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.errors import CorruptPayload, TierError, TierUnavailable
 from tierserve.engine.kv_tiers.events import BlockMeta, TierEvents
-from tierserve.engine.kv_tiers.media import Locality, Medium
+from tierserve.engine.core.tier_descriptor import Locality, Medium
 from tierserve.engine.kv_tiers.stats import TierCounters, TierStats
 
 if TYPE_CHECKING:

@@ -6,7 +6,13 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from tierserve.engine.kv_tiers.registry import TIERS
+TIERS: dict[str, str] = {
+    "cpu": "tierserve.engine.kv_tiers.cpu:CpuTier",
+    "disk": "tierserve.engine.kv_tiers.disk:DiskTier",
+    "s3": "tierserve.engine.kv_tiers.s3:S3Tier",
+}
+"""The tiers by name, each a class imported only when built (registry.create_tier): naming a tier
+in a config imports neither boto3 nor torch."""
 
 
 @dataclass(frozen=True)

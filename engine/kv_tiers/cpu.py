@@ -21,7 +21,7 @@ from tierserve.engine.kv_tiers.base import KVTier
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.errors import TierError, TierMiss
 from tierserve.engine.kv_tiers.layout import BlockLayout
-from tierserve.engine.kv_tiers.media import Locality, Medium
+from tierserve.engine.core.tier_descriptor import Locality, Medium
 
 
 class CpuTier(KVTier):

@@ -48,7 +48,7 @@ from tierserve.engine.kv_tiers.breaker import CircuitBreaker
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.errors import TierError, TierMiss
 from tierserve.engine.kv_tiers.layout import BlockLayout
-from tierserve.engine.kv_tiers.media import Locality, Medium
+from tierserve.engine.core.tier_descriptor import Locality, Medium
 
 SUFFIX = ".safetensors"
 TMP_GRACE_S = 60.0

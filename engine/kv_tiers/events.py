@@ -28,10 +28,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Iterator, NamedTuple, Sequence
 
-from tierserve.engine.core.block_hash import BlockHash
-
-BlockMeta = tuple[BlockHash | None, tuple[int, ...]]
-"""(parent hash or None, token ids) of one stored block."""
+from tierserve.engine.core.block_hash import BlockHash, BlockMeta
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,12 +32,12 @@ import torch
 
 from tierserve.engine.core.block_hash import BlockHash
 from tierserve.engine.kv_tiers.base import KVTier
-from tierserve.engine.kv_tiers.config import TierConfig
+from tierserve.engine.kv_tiers.config import TIERS, TierConfig
 from tierserve.engine.kv_tiers.events import BlockMeta, EventLog
-from tierserve.engine.kv_tiers.media import TierDescriptor
+from tierserve.engine.core.tier_descriptor import TierDescriptor
 from tierserve.engine.kv_tiers.layout import BlockLayout
 from tierserve.engine.kv_tiers.load import LoadHandle, TierHit
-from tierserve.engine.kv_tiers.registry import TIERS, create_tier
+from tierserve.engine.kv_tiers.registry import create_tier
 from tierserve.engine.kv_tiers.stats import TierStats
 from tierserve.engine.kv_tiers.writer import StoreQueue
 

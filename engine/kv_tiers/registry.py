@@ -8,14 +8,9 @@ from tierserve._lazy import lazy_class
 
 if TYPE_CHECKING:
     from tierserve.engine.kv_tiers.base import KVTier
-    from tierserve.engine.kv_tiers.config import TierConfig
     from tierserve.engine.kv_tiers.layout import BlockLayout
 
-TIERS: dict[str, str] = {
-    "cpu": "tierserve.engine.kv_tiers.cpu:CpuTier",
-    "disk": "tierserve.engine.kv_tiers.disk:DiskTier",
-    "s3": "tierserve.engine.kv_tiers.s3:S3Tier",
-}
+from tierserve.engine.kv_tiers.config import TIERS, TierConfig
 
 
 def tier_class(name: str) -> type[KVTier]:

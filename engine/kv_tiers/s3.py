@@ -35,7 +35,7 @@ from tierserve.engine.kv_tiers.breaker import CircuitBreaker
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.errors import TierError, TierMiss, TierUnavailable
 from tierserve.engine.kv_tiers.layout import BlockLayout
-from tierserve.engine.kv_tiers.media import Locality, Medium
+from tierserve.engine.core.tier_descriptor import Locality, Medium
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 

@@ -15,9 +15,8 @@ from typing import Sequence
 
 import torch
 
-from tierserve.engine.core.block_hash import BlockHash
+from tierserve.engine.core.block_hash import BlockHash, BlockMeta
 from tierserve.engine.kv_tiers.base import KVTier
-from tierserve.engine.kv_tiers.events import BlockMeta
 
 log = logging.getLogger(__name__)
 

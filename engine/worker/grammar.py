@@ -32,9 +32,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from tierserve.engine.core.structured import (GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILES_PER_KEY,
-                                              GRAMMAR_MAX_BYTES, GrammarKind, StructuredOutput)
-from tierserve.engine.sampling_params import ParamError
+from tierserve.engine.sampling_params import GrammarKind, ParamError, StructuredOutput
 from tierserve.engine.tokenizer import TextTokenizer
 from tierserve.engine.worker.grammar_cache import Entry, GrammarCache
 from tierserve.engine.worker.grammar_child import compile_grammar, malloc_trim
@@ -42,6 +40,13 @@ from tierserve.engine.worker.grammar_pool import (Busy, CompileProgress, Compile
                                                   GrammarPool, Job, Outcome, Refused)
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_BYTES = 256 << 20
+"""Default bound of the compiled-grammar cache (EngineConfig.grammar_cache_bytes)."""
+GRAMMAR_MAX_BYTES = 64 << 20
+"""Default largest compiled grammar (EngineConfig.grammar_max_bytes)."""
+GRAMMAR_COMPILES_PER_KEY = 4
+"""Default large compiles one key may have queued or running (grammar_compiles_per_key)."""
 
 _ADDEND = np.array([-np.inf, 0.0], dtype=np.float32)
 """Bit 0 (masked) -> -inf, bit 1 (allowed) -> 0."""

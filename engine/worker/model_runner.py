@@ -24,7 +24,8 @@ from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
 from tierserve.engine.worker.models import model_class
 from tierserve.engine.worker.quant import quantize_model, weight_bytes
 from tierserve.engine.core.request import Request, RequestId
-from tierserve.engine.worker.sampler import SampleRow, Sampler, TopLogprobs, gather_logprobs
+from tierserve.engine.outputs import TopLogprobs
+from tierserve.engine.worker.sampler import SampleRow, Sampler, gather_logprobs
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.spec.verify import AcceptRule, accepted_prefix
 from tierserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput

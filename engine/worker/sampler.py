@@ -16,10 +16,11 @@ tensor, so a seeded row picks the same token on any device. What comes back: the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from tierserve.engine.outputs import TopLogprobs
 from tierserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -34,16 +35,6 @@ class SampleRow:
     """Token ids min_tokens holds back: EOS (unless ignore_eos) and stop_token_ids."""
     request_id: str = ""
     """Whose row it is (a verified row has one per position)."""
-
-
-@dataclass
-class TopLogprobs:
-    """Logprob of the chosen token and of the top-N alternatives at one position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.worker.loaders import (ModelLoadError, ModelSource, QuantBlocks, file_digest,
+from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource, QuantBlocks, file_digest,
                                              one_line)
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields

@@ -7,7 +7,7 @@ import json
 import os
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, file_digest, one_line
+from tierserve.engine.worker.loaders.source import ModelLoadError, ModelSource, file_digest, one_line
 from tierserve.engine.worker.loaders.lazy import LazyWeights, safetensors_entries
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.worker.models.layers import ROPE_TYPES, rope_type

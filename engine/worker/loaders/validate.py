@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.worker.loaders import ModelLoadError
+from tierserve.engine.worker.loaders.source import ModelLoadError
 from tierserve.engine.worker.loaders.lazy import LazyWeights
 
 

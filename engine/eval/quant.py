@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tierserve.engine.llm import LLM
 from tierserve.engine.sampling_params import SamplingParams
-from tierserve.engine.worker.sparse_eval import ModeResult, agreement
+from tierserve.engine.eval.sparse import ModeResult, agreement
 
 __all__ = ["agreement", "perplexity_change", "score"]
 
