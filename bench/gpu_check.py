@@ -19,7 +19,7 @@ on the 8B-shaped random model. With --serve, --graphs, --sparse or --tp only tho
 block, attention time dense against sparse (K = 1/8) at contexts 1k-32k and batch 1/8/32 on the
 8B shape, and the engine with sparse decode (greedy tokens equal dense with K covering every
 block; tok/s at 4k context; eager against CUDA graphs). --tp: tensor parallel over 2 GPUs (nccl,
-engine/worker/tensor_parallel.py): bench/tp.py's random Llama (SmolLM2-like, 8 query / 4 KV
+engine/worker/tp/): bench/tp.py's random Llama (SmolLM2-like, 8 query / 4 KV
 heads, 30 layers) through LLM at TP=1 and TP=2, float32 unless --dtype says otherwise (then
 greedy equality is reported, not required): greedy tokens equal TP=1's, batch-1 decode step ms
 and batch-8 output tok/s. With fewer than 2 GPUs it prints what it skipped and why (exit 0 where

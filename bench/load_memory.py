@@ -130,7 +130,7 @@ def child(model: str | None, dtype: str, tp: int = 1) -> None:
                   max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_threads=tp,
                   tensor_parallel_size=tp)
         if tp > 1:
-            ranks = [peak_of(p.pid) for p in llm.engine.runner._procs]
+            ranks = [peak_of(p.pid) for p in llm.engine.executor._procs]
     print(json.dumps({"peak": peak_bytes(), "ranks": ranks}), flush=True)
 
 

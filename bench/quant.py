@@ -74,7 +74,7 @@ def main() -> None:
     rows, results = [], {}
     for m in modes:
         ms, tps = statistics.median(single[m]), statistics.median(batch[m])
-        wb = llms[m].engine.runner.weight_bytes
+        wb = llms[m].engine.executor.facts().weight_bytes
         res = dict(weight_mib=wb / 2**20, agreement=agreement(scores[m], scores[ref]),
                    perplexity=scores[m].perplexity,
                    perplexity_change=perplexity_change(scores[m], scores[ref]),

@@ -100,7 +100,7 @@ def speed(ratio: float, repeat: int) -> list[dict]:
     top = max(CONTEXTS)
     llm = LLM(sparse_topk_ratio=ratio, sparse_dense_layers=2, sparse_min_context=0,
               max_model_len=top, num_blocks=max(BATCHES) * top // 16 + 16, max_num_seqs=max(BATCHES))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     log("filling the KV cache with random values ...")
     for c in runner.kv_caches:
         c.normal_()
@@ -124,7 +124,7 @@ def speed(ratio: float, repeat: int) -> list[dict]:
 def metadata(repeat: int) -> dict:
     """One 2,000-token request and 63 of 100 tokens, with a capacity of 8,192 tokens (512 blocks)."""
     llm = LLM(max_model_len=8192, num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     lens = [2000] + [100] * 63
     steps, nxt = [], 0
     for i, n in enumerate(lens):
@@ -165,7 +165,7 @@ def accuracy_at(ratio: float, block_size: int, start: int, positions: int) -> di
     dense, sparse = teacher_forced(
         llm.engine, ids, start, [False, True],
         progress=lambda i, k: i % 100 == 0 and log(f"  K={ratio:.4g}, block {block_size}: {i}/{k}"))
-    st = llm.engine.runner.sparse.stats
+    st = llm.engine.executor.sparse_stats()
     row = dict(ratio=ratio, block_size=block_size, agreement=agreement(dense, sparse),
                ppl_dense=dense.perplexity, ppl_sparse=sparse.perplexity,
                attended=st.blocks_attended / st.blocks_total)

@@ -177,7 +177,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=3 << 30,
               num_threads=threads, kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization, prefill_bf16=args.prefill_bf16)
-    kv = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
+    kv = str(llm.engine.executor.facts().kv_dtype).removeprefix("torch.")
     mc = llm.engine.model_config
     flops = gemm_flops()
     roof = flops / mc.flops_per_token()
@@ -193,7 +193,7 @@ def main() -> None:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=3 << 30, num_threads=threads, kv_cache_dtype=name,
                     quantization=args.quantization, prefill_bf16=args.prefill_bf16)
-        other_kv = str(other.engine.runner.kv_dtype).removeprefix("torch.")
+        other_kv = str(other.engine.executor.facts().kv_dtype).removeprefix("torch.")
         if other_kv in by_kv:
             continue
         log(f"decode steps with a {other_kv} KV cache")
@@ -228,7 +228,7 @@ def main() -> None:
     hf_batch = next((min(t, key=t.get) for t in hf_by_batch if t and min(t.values()) == hf), None)
 
     print(f"\n## tierserve vs transformers ({threads} threads, fp32, tierserve KV {kv}, backend "
-          f"{llm.engine.runner.backend.name})\n")
+          f"{llm.engine.executor.facts().backend})\n")
     print("| engine | time (s) | output tok/s |")
     print("|---|---:|---:|")
     print(f"| tierserve | {ours:.1f} | {out_tokens / ours:.1f} |")

@@ -83,7 +83,7 @@ def prefix_keys(llm: LLM, prefix: list[int]) -> list:
 
 
 def kv_dtype_name(llm: LLM) -> str:
-    return str(llm.engine.runner.kv_dtype).removeprefix("torch.")
+    return str(llm.engine.executor.facts().kv_dtype).removeprefix("torch.")
 
 
 def with_seaweed(prefix: str,

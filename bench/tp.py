@@ -146,7 +146,7 @@ def itl_ms(out) -> float | None:
 
 
 def use_this_checkout() -> None:
-    """The ranks are fresh interpreters (python -m tierserve.engine.worker.tensor_parallel):
+    """The ranks are fresh interpreters (python -m tierserve.engine.worker.tp.rank):
     they import tierserve from this checkout too, installed or not."""
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if ROOT not in paths:

@@ -34,7 +34,7 @@ from tierserve.engine.info import EngineInfo
 from tierserve.engine.core.kv_hints import KVHints
 from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from tierserve.engine.llm_engine import LLMEngine
-from tierserve.engine.worker.tensor_parallel import WorkerDied
+from tierserve.engine.worker.tp.protocol import WorkerDied
 from tierserve.engine.outputs import RequestOutput
 from tierserve.engine.worker.grammar import GrammarStats
 from tierserve.engine.worker.sparse import SparseStats
@@ -412,7 +412,7 @@ class AsyncEngine:
                                        sch.num_preemptions, _hist(st.iteration_tokens),
                                        _hist(st.table_width), _hist(st.metadata_bytes),
                                        st.metadata_seconds,
-                                       e.runner.sparse.stats, e.num_tracked,
+                                       e.executor.sparse_stats(), e.num_tracked,
                                        e.grammar_stats(), e.spec_stats())
 
 

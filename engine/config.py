@@ -222,7 +222,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is sharded over (vLLM's flag): worker processes joined by torch.distributed
     (gloo on the CPU, nccl on CUDA), each with a slice of every layer and of the KV cache
-    (engine/worker/tensor_parallel.py); 1: the model runs in this process."""
+    (engine/worker/tp/); 1: the model runs in this process."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's --speculative-config): n-gram lookup or a draft model
     proposes tokens the model verifies in the same step (engine/spec/); None: off."""

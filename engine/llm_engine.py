@@ -15,23 +15,23 @@ from dataclasses import dataclass, field
 from tierserve.engine.core.block_hash import fingerprint, scope_key
 from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.config import EngineConfig, SparseConfig
-from tierserve.engine.worker.device import CPU_KV_CACHE_BYTES, DeviceError, detect, measure_gpu_kv_bytes
+from tierserve.engine.worker.device import CPU_KV_CACHE_BYTES, DeviceError, detect
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.info import EngineInfo, SparseStatus
 from tierserve.engine.env import configure_threads, set_omp_env
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.core.kv_hints import NO_HINTS, KVHints
 from tierserve.engine.kv_tiers.config import TierConfig, describe_tiers
-from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.worker.model_runner import ModelRunner
-from tierserve.engine.worker.tensor_parallel import TPExecutor, check_shardable
+from tierserve.engine.worker.executor import Executor, LocalExecutor
+from tierserve.engine.worker.tp.executor import TPExecutor
+from tierserve.engine.worker.tp.shard import check_shardable
 from tierserve.engine.outputs import CompletionOutput, RequestOutput, TopLogprobs
 from tierserve.engine.core.request import Request, RequestId, RequestStatus
 from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
 from tierserve.engine.core.scheduler import Scheduler
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
-from tierserve.engine.worker.kv_worker import KVConnectorWorker, NoKVWorker
-from tierserve.engine.worker.tp_tiers import TPTierWorker
+from tierserve.engine.worker.kv_worker import NoKVWorker
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
 from tierserve.engine.worker.quant import QuantizationError, check_mode, gguf_covers
 from tierserve.kernels.native import cpu_has, fused_ops
@@ -156,25 +156,27 @@ class LLMEngine:
                                        *(("tp", config.tensor_parallel_size)
                                          if config.tensor_parallel_size > 1 else ()))
         if config.tensor_parallel_size > 1:  # each rank loads its own shard
-            self.runner = TPExecutor(config, src.config, num_blocks, self.max_model_len,
-                                     config.tensor_parallel_size, self.num_threads)
+            self.executor: Executor = TPExecutor(config, src.config, num_blocks,
+                                                 self.max_model_len, config.tensor_parallel_size,
+                                                 self.num_threads)
         else:
-            self.runner = ModelRunner(config, src.config, src.weights, num_blocks,
-                                      self.max_model_len, src.blocks)
-        if self.runner.quant_kinds:
+            self.executor = LocalExecutor(ModelRunner(config, src.config, src.weights, num_blocks,
+                                                      self.max_model_len, src.blocks))
+        facts = self.executor.facts()
+        if facts.quant_kinds:
             log.info("quantization %s: %s; weights %.0f MiB", config.quantization,
-                     ", ".join(f"{k}: {v}" for k, v in self.runner.quant_kinds.items()),
-                     self.runner.weight_bytes / 2**20)
+                     ", ".join(f"{k}: {v}" for k, v in facts.quant_kinds.items()),
+                     facts.weight_bytes / 2**20)
         del src
         if profile_gpu:
             num_blocks = self._size_gpu_cache(block_bytes, model_len)
         tiers = config.kv_tiers
-        self.pool = BlockPool(num_blocks - self.runner.graph_reserved_blocks, bs,
+        self.pool = BlockPool(num_blocks - facts.graph_reserved_blocks, bs,
                               config.cache.enable_prefix_caching,
                               keep_evicted=tiers is not None and "cpu" in tiers.tiers)
         # a sequence can hold only the pool's blocks (not the CUDA graphs' scratch block)
         self.max_model_len = min(self.max_model_len, self.pool.num_blocks * bs)
-        self.runner.capture_graphs(self.pool.num_blocks)
+        self.executor.capture_graphs(self.pool.num_blocks)
         self.kv, self.kv_worker = self._connector(tiers)
         self.speculator = self._speculator(spec, draft, num_blocks)
         """Speculative decoding's proposer and bookkeeping (None: off)."""
@@ -188,25 +190,22 @@ class LLMEngine:
         self._tracked: dict[RequestId, _Tracked] = {}
         self.info = self._describe()
         """What the server may know of this engine (read-only, published once)."""
+        facts = self.executor.facts()
         log.info("engine ready: %s, %d layers, %d KV blocks of %d tokens (%.0f MiB), "
                  "max_model_len %d, backend %s, %d threads", config.model,
-                 self.model_config.num_layers, num_blocks, bs, self.runner.kv_bytes / 2**20,
-                 self.max_model_len, self.runner.backend.name, self.num_threads)
+                 self.model_config.num_layers, num_blocks, bs, facts.kv_bytes / 2**20,
+                 self.max_model_len, facts.backend, self.num_threads)
 
     def _size_gpu_cache(self, block_bytes: int, model_len: int) -> int:
         """Profile a full step, then give the KV cache what gpu_memory_utilization leaves."""
-        if isinstance(self.runner, TPExecutor):  # each rank sizes its own GPU's cache
-            num_blocks = self.runner.gpu_blocks(self.config.gpu_memory_utilization)
-            kv_bytes = num_blocks * block_bytes
-        else:
-            kv_bytes = measure_gpu_kv_bytes(self.runner, self.config.gpu_memory_utilization)
-            num_blocks = kv_bytes // block_bytes
+        num_blocks = self.executor.gpu_blocks(self.config.gpu_memory_utilization, block_bytes)
+        kv_bytes = num_blocks * block_bytes
         if num_blocks < 1:
-            raise DeviceError(f"KV cache of {kv_bytes} bytes holds no block of {block_bytes} bytes; "
-                              "raise --gpu-memory-utilization")
+            raise DeviceError(f"the KV cache gpu_memory_utilization leaves holds no block of "
+                              f"{block_bytes} bytes; raise --gpu-memory-utilization")
         bs = self.config.cache.block_size
         self.max_model_len = min(model_len, num_blocks * bs)
-        self.runner.allocate_kv(num_blocks, self.max_model_len)
+        self.executor.allocate_kv(num_blocks, self.max_model_len)
         log.info("GPU KV cache: %.0f MiB (gpu_memory_utilization %g): %d blocks, %d tokens",
                  kv_bytes / 2**20, self.config.gpu_memory_utilization, num_blocks,
                  num_blocks * bs)
@@ -265,35 +264,30 @@ class LLMEngine:
     def _connector(self, tiers: TierConfig | None):
         if tiers is None:
             return NoKVConnector(), NoKVWorker()
-        if isinstance(self.runner, TPExecutor):  # each rank moves its own shard (tp_tiers.py)
-            worker = TPTierWorker(self.runner, tiers, self.fingerprint)
-            kv = KVConnectorScheduler(worker.manager.descriptors(), self.config.cache.block_size,
-                                      worker.manager.layout.block_bytes, self.pool)
-            worker.cost = kv.cost
-            log.info("KV tiers: %s, a shard per tensor-parallel rank", describe_tiers(tiers))
-            return kv, worker
-        manager = TierManager(tiers, self.fingerprint, self.runner.block_shape,
-                              self.runner.kv_dtype)
-        kv = KVConnectorScheduler(manager.descriptors(), self.config.cache.block_size,
-                                  manager.layout.block_bytes, self.pool)
-        log.info("KV tiers: %s (--kv-tiers none turns them off)", describe_tiers(tiers))
-        return kv, KVConnectorWorker(manager, self.runner, kv.cost, tiers.load_timeout_s)
+        worker = self.executor.tier_worker(tiers, self.fingerprint)  # under TP: a shard a rank
+        kv = KVConnectorScheduler(worker.manager.descriptors(), self.config.cache.block_size,
+                                  worker.manager.layout.block_bytes, self.pool)
+        worker.attach(kv.cost)
+        log.info("KV tiers: %s%s (--kv-tiers none turns them off)", describe_tiers(tiers),
+                 ", a shard per tensor-parallel rank" if self.config.tensor_parallel_size > 1
+                 else "")
+        return kv, worker
 
     def _describe(self) -> EngineInfo:
-        runner, sparse, manager = self.runner, self.config.sparse, self.kv_worker.manager
+        facts, sparse, manager = self.executor.facts(), self.config.sparse, self.kv_worker.manager
         return EngineInfo(
             model=self.config.model, max_model_len=self.max_model_len,
             device=self.device_choice, dtype=self.dtype_choice,
-            kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
-            backend=runner.backend.name, routes=dict(runner.routes),
-            sparse=SparseStatus(sparse.enabled, runner.backend.capabilities.sparse,
+            kv_cache_dtype=str(facts.kv_dtype).removeprefix("torch."),
+            backend=facts.backend, routes=dict(facts.routes),
+            sparse=SparseStatus(sparse.enabled, facts.sparse,
                                 sparse.topk_blocks, sparse.topk_ratio, sparse.min_context,
                                 sparse.dense_layers),
             tiers=manager.descriptors() if manager is not None else (),
             events=manager.events if manager is not None else None,
             tier_stats=manager.stats if manager is not None else None,
             policy_counters=self.kv.counters, quantization=self.config.quantization,
-            quant_kernels=dict(runner.quant_kinds), weight_bytes=runner.weight_bytes,
+            quant_kernels=dict(facts.quant_kinds), weight_bytes=facts.weight_bytes,
             tensor_parallel_size=self.config.tensor_parallel_size,
             speculative=(self.config.speculative_config.describe()
                          if self.config.speculative_config is not None else None))
@@ -302,8 +296,7 @@ class LLMEngine:
         """Stop the tier threads (queued writes finish first, for a few seconds at most) and
         the tensor-parallel workers."""
         self.kv_worker.close()
-        if isinstance(self.runner, TPExecutor):
-            self.runner.close()
+        self.executor.close()
         if self._grammars is not None:
             self._grammars.compiler.close()
 
@@ -424,7 +417,7 @@ class LLMEngine:
                     self._grammars.wait(0.02)
             return refused
         started = time.monotonic()
-        result = self.runner.execute(out, self._grammars)  # GrammarBook: constrain(logits, ids)
+        result = self.executor.execute(out, self._grammars)  # GrammarBook: constrain(logits, ids)
         full = self.scheduler.update(out, result.sampled)
         now = time.monotonic()
         self.kv.observe_step(out.num_batched_tokens, now - started)  # the model's time only
@@ -494,7 +487,7 @@ class LLMEngine:
         self.kv_worker.copy_out(self.kv.demotions(self.pool.take_evicted()))
         self.kv_worker.write(placed)
         for p in placed:
-            self.scheduler.complete_load(p.request, list(p.block_ids))
+            self.scheduler.complete_load(self.scheduler.requests[p.request_id], list(p.block_ids))
 
     def _check_stop(self, tr: _Tracked) -> None:
         req, p = tr.request, tr.request.params

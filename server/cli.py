@@ -214,7 +214,7 @@ def _build(config: ServerConfig):
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.engine.worker.device import DeviceError
     from tierserve.engine.worker.loaders import ModelLoadError
-    from tierserve.engine.worker.tensor_parallel import WorkerDied
+    from tierserve.engine.worker.tp.protocol import WorkerDied
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
 

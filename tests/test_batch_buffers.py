@@ -98,7 +98,7 @@ def _data_ptrs(attrs: dict) -> dict[str, int]:
 
 
 def test_runner_layout_uses_buffers_without_allocating(llm):
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     buf = runner.buffers
     held = dict(vars(buf))  # the buffers, kept alive: no new one can take their addresses
     widths = []
@@ -135,7 +135,7 @@ def test_pinned_buffers_are_not_rewritten_while_a_copy_may_read_them(llm, monkey
     event after them, and the next step's layout waits for it before writing (steps that do not
     sample never sync otherwise). The CPU has no event, so the order is checked through one that
     logs its calls and what the buffers held when they came."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     calls = []
 
     class Logged:

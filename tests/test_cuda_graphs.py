@@ -148,7 +148,7 @@ def test_cpu_engine_warns_and_generates_the_same_tokens(caplog):
         graphs = LLM(kv_cache_memory_bytes=1 << 26, device="cpu", cuda_graphs=True)
     assert any("--cuda-graphs" in r.message and "device is cpu" in r.message
                for r in caplog.records)
-    assert graphs.engine.runner.graphs is None
+    assert graphs.engine.executor.runner.graphs is None
     eager = LLM(kv_cache_memory_bytes=1 << 26, device="cpu")
     a, b = (llm.generate(prompts, params) for llm in (graphs, eager))
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -37,7 +37,7 @@ def fp8_llm() -> LLM:
 
 
 def test_fp8_cache_is_one_byte_and_routes_off_cpu_native(fp8_llm):
-    runner = fp8_llm.engine.runner
+    runner = fp8_llm.engine.executor.runner
     assert all(c.dtype == torch.float8_e4m3fn for c in runner.kv_caches)
     assert runner.kv_bytes == sum(c.numel() for c in runner.kv_caches)
     # the same byte budget holds 4x the blocks of an fp32 cache
@@ -80,7 +80,7 @@ def fp16_llm() -> LLM:
 def test_fp16_cache_is_two_bytes_on_cpu_native(fp16_llm, monkeypatch):
     """An fp16 cache stays on the native CPU kernels (they widen it as they read), decodes in the
     one-call stack, and holds twice the blocks of an fp32 cache in the same bytes."""
-    runner = fp16_llm.engine.runner
+    runner = fp16_llm.engine.executor.runner
     assert all(c.dtype == torch.float16 for c in runner.kv_caches)
     mc = runner.model_cfg
     assert runner.num_blocks == (1 << 28) // (runner.block_size * mc.kv_bytes_per_token(2))

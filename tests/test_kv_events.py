@@ -252,7 +252,8 @@ def test_engine_side_stores_full_blocks_as_a_chain_and_demotions_with_their_toke
     pool = BlockPool(3, 4, keep_evicted=True)
     mgr = manager(tmp_path, tiers=("cpu",))
     kv = KVConnectorScheduler(mgr.descriptors(), 4, mgr.layout.block_bytes, pool)
-    worker = KVConnectorWorker(mgr, FakeRunner(), kv.cost)
+    worker = KVConnectorWorker(mgr, FakeRunner())
+    worker.attach(kv.cost)
     try:
         ids = pool.allocate(3)
         for i, bid in enumerate(ids):

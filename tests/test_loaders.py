@@ -127,7 +127,7 @@ def test_hf_dir_greedy_matches_transformers(case, tokenizer_files, tmp_path, mon
     assert _our_greedy(llm, PROMPTS) == expected  # strings, one batch
     assert _our_greedy(llm, prompt_ids[1]) == expected[1:2]  # token ids, alone
     # decode steps of any size in one native call (csrc/decode_forward.cpp; not for q/k norms)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     monkeypatch.setattr(model, "stack_decode_min_batch", 1)
     assert _our_greedy(llm, PROMPTS) == expected
 
@@ -482,7 +482,7 @@ def test_quantized_linears_with_a_qkv_bias_in_one_call_and_layer_by_layer(tokeni
     config_cls, kw = HF_CASES["qwen2-bias"]
     path = _save_hf(_hf_model(config_cls, seed=3, **kw), tokenizer_files, tmp_path / "m")
     llm = LLM(model=str(path), quantization="int8", **ENGINE)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     assert model._qstack and model._stack[2].numel() % 16 == 0  # the qkv bias, padded
     monkeypatch.setattr(model, "stack_decode_min_batch", 0)
     by_layer = _our_greedy(llm, PROMPTS)

@@ -131,7 +131,7 @@ def _greedy(engine, prompts, salt: str) -> list[list[int]]:
 
 
 def test_model_gives_the_same_tokens_with_native_ops_off(llm, varied_prompts):
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.runner
     assert runner.native is ext  # CPU fp32: the engine uses the extension
     prompts = [varied_prompts[i] for i in (3, 9, 13)]
     before = engine.stats.computed_tokens
@@ -215,7 +215,7 @@ def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypa
     torch's threads (each GEMM's panels and the attention rows split between them, down to a batch
     of 1 on two threads); tokens and logprobs equal layer by layer's to the bit, for contexts of 1
     to 1,500 tokens."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     counting = _CountingOps(model.ops)
     monkeypatch.setattr(model, "ops", counting)
     prompts = [varied_prompts[i] for i in (0, 2, 7, 11, 15)]
@@ -240,7 +240,7 @@ def test_decode_stack_team_from_two_calling_threads(llm):
     """Two threads call decode_forward at once: one gets the worker pool, the other's team runs
     inline on its own thread, without barriers (thread_pool.h); both give what one call alone
     gives. (A team waiting at a barrier for a member that never runs would hang here.)"""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     cfg, rope = model.config, model.layers[0].self_attn.rope
     B, bs, ctx = 6, 16, 40
     nb = -(-(ctx + 1) // bs)

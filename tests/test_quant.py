@@ -152,7 +152,7 @@ def test_gguf_serves_the_fp32_paths_bits_in_one_call_and_layer_by_layer(
     the bit, for contexts of 1 to 1,500 tokens, from a fifth of the weight bytes."""
     from test_native_ops import _CountingOps, _greedy_logprobs
 
-    model = gguf_llm.engine.runner.model
+    model = gguf_llm.engine.executor.runner.model
     assert model._stack is not None and len(model._qstack) == 8 * len(model.layers)
     assert model._stack[1].dtype == torch.uint8  # the qkv codes, not fp32 panels
     counting = _CountingOps(model.ops)
@@ -172,7 +172,7 @@ def test_gguf_serves_the_fp32_paths_bits_in_one_call_and_layer_by_layer(
     finally:
         torch.set_num_threads(old)
     assert one_call == by_layer == fp32
-    assert gguf_llm.engine.runner.weight_bytes * 5 <= llm.engine.runner.weight_bytes
+    assert gguf_llm.engine.executor.facts().weight_bytes * 5 <= llm.engine.executor.facts().weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def quality():
     for mode in ("none", "gguf", "int8", "int4"):
         llm = LLM(quantization=mode, kv_cache_memory_bytes=1 << 28)
         ids = llm.get_tokenizer().encode(TEXT)[:2600]
-        out[mode] = (score(llm, ids), llm.engine.runner.weight_bytes, llm.engine.info)
+        out[mode] = (score(llm, ids), llm.engine.executor.facts().weight_bytes, llm.engine.info)
         del llm
     return out
 
@@ -241,7 +241,7 @@ def test_bf16_prefill_on_amx_keeps_quality_and_is_refused_elsewhere(quality):
             LLM(quantization="gguf", prefill_bf16=True, kv_cache_memory_bytes=1 << 26)
         return
     llm = LLM(quantization="gguf", prefill_bf16=True, kv_cache_memory_bytes=1 << 28)
-    assert all(lin.bf16_min_rows == 64 for lin in llm.engine.runner.model.layers[0].modules()
+    assert all(lin.bf16_min_rows == 64 for lin in llm.engine.executor.runner.model.layers[0].modules()
                if hasattr(lin, "bf16_min_rows"))
     ref = quality["none"][0]
     test = score(llm, llm.get_tokenizer().encode(TEXT)[:2600])

@@ -107,17 +107,17 @@ def test_k_covering_every_block_equals_dense(long_ids, one_call, monkeypatch):
     """K >= the blocks: the sparse kernels run (counted) and greedy tokens equal dense's."""
     llm = LLM(sparse_topk_blocks=4096, sparse_min_context=0, sparse_dense_layers=0,
               max_model_len=2048, num_blocks=400)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     if not one_call:
         monkeypatch.setattr(model, "stack_decode_min_batch", 0)
     params = SamplingParams(max_tokens=24, temperature=0)
     prompts = [long_ids[:700], long_ids[900:1300]]
     sparse = llm.generate(prompts, params)
-    stats = llm.engine.runner.sparse.stats
+    stats = llm.engine.executor.sparse_stats()
     assert stats.steps >= 23 and stats.blocks_attended == stats.blocks_total > 0
     llm.engine.pool.reset_prefix_cache()
     dense = llm.generate(prompts, params, kv_hints=KVHints(sparse_attention=False))
-    assert llm.engine.runner.sparse.stats.blocks_total == stats.blocks_total  # dense: no plan
+    assert llm.engine.executor.sparse_stats().blocks_total == stats.blocks_total  # dense: no plan
     for s, d in zip(sparse, dense):
         assert s.outputs[0].token_ids == d.outputs[0].token_ids
 
@@ -129,8 +129,8 @@ def test_summaries_count_in_the_kv_memory_budget():
     budget = 64 << 20
     kv_block = 16 * 30 * 2 * 3 * 64 * 4         # tokens x layers x (K, V) x KV heads x dim x fp32
     summary_block = 30 * 2 * 3 * 64 * 4         # layers x (min, max) x KV heads x dim x fp32
-    sparse = LLM(kv_cache_memory_bytes=budget, sparse_topk_ratio=0.25).engine.runner
-    dense = LLM(kv_cache_memory_bytes=budget).engine.runner
+    sparse = LLM(kv_cache_memory_bytes=budget, sparse_topk_ratio=0.25).engine.executor.runner
+    dense = LLM(kv_cache_memory_bytes=budget).engine.executor.runner
     assert dense.num_blocks == budget // kv_block and dense.sparse.nbytes == 0
     assert sparse.num_blocks == budget // (kv_block + summary_block)
     assert sparse.kv_bytes + sparse.sparse.nbytes <= budget < dense.kv_bytes + sparse.sparse.nbytes
@@ -141,9 +141,9 @@ def test_block_size_the_prefill_kernel_does_not_take(long_ids):
     sparse decode still runs (counted) and a small K changes what is attended, not the shape."""
     llm = LLM(block_size=8, sparse_topk_blocks=6, sparse_min_context=0, sparse_dense_layers=2,
               max_model_len=1024, num_blocks=300)
-    assert not llm.engine.runner.backend.ext.paged_prefill_supported(64, 8)
+    assert not llm.engine.executor.runner.backend.ext.paged_prefill_supported(64, 8)
     out = llm.generate([long_ids[:500]], SamplingParams(max_tokens=8, temperature=0))
-    stats = llm.engine.runner.sparse.stats
+    stats = llm.engine.executor.sparse_stats()
     assert len(out[0].outputs[0].token_ids) == 8
     assert stats.steps >= 7 and 0 < stats.blocks_attended < stats.blocks_total
     assert stats.blocks_attended == 6 * 3 * 28 * stats.steps  # K x KV heads x sparse layers
@@ -160,7 +160,7 @@ def test_teacher_forced_agreement(long_ids, ratio=0.5, floor=0.95):
     ids = long_ids[:4400]
     dense, sparse = teacher_forced(llm.engine, ids, 4000, [False, True])
     agree = agreement(dense, sparse)
-    st = llm.engine.runner.sparse.stats
+    st = llm.engine.executor.sparse_stats()
     fraction = st.blocks_attended / st.blocks_total
     print(f"K={ratio}: agreement {agree:.3f}, ppl dense {dense.perplexity:.3f} sparse "
           f"{sparse.perplexity:.3f}, blocks attended {fraction:.3f}")

@@ -243,7 +243,7 @@ def test_decode_stack_with_sparse_layers(llm, threads):
     """decode_forward_sparse: with topk covering every block it is decode_forward to the bit;
     with topk 4 from layer 2 on it is the op-by-op sparse step to the bit, and counts
     min(n, topk) blocks per sparse layer, sequence and KV head."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     cfg, rope, bs = model.config, model.layers[0].self_attn.rope, 16
     x0, pos, slots, caches, summaries, tables, lens = _stack_inputs(model)
     hkv = cfg.num_kv_heads

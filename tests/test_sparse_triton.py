@@ -219,7 +219,7 @@ def test_engine_decoding_on_triton_gives_the_native_sparse_tokens(monkeypatch):
         llm = LLM(attention_backend=backend, **kw)
         prompt = llm.get_tokenizer().encode(text)[:300]
         outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
-        stats.append(llm.engine.runner.sparse.stats)
+        stats.append(llm.engine.executor.sparse_stats())
     assert outs[0] == outs[1] and len(outs[0]) == 4
     assert stats[0].blocks_attended == stats[1].blocks_attended == 4 * 3 * 28 * 3
     assert stats[0].steps == stats[1].steps == 3

@@ -331,7 +331,7 @@ def test_a_wrong_acceptance_rule_is_caught(llm, spec_llm, letters):
     prompt, ids = letters
     n = 300
     plain = [t[0] for t in _first_tokens(llm, prompt, ids, n, seeded=True)]
-    runner = spec_llm.engine.runner
+    runner = spec_llm.engine.executor.runner
     runner.accept = lambda proposals, draws: max(1, accepted_prefix(proposals, draws))
     try:
         wrong = [t[0] for t in _first_tokens(spec_llm, prompt, ids, n, seeded=True)]

@@ -1,6 +1,6 @@
 """Tensor parallel on the CPU (gloo): worker processes with a shard each give the greedy tokens of
 one process, keep the prefix cache and the disk tier working, and a lost rank ends the server
-cleanly (engine/worker/tensor_parallel.py, docs/parallel.md)."""
+cleanly (engine/worker/tp/, docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
         assert two.engine.info.tensor_parallel_size == 2
         # what a GPU start does once every rank has profiled its memory: the ranks' caches made
         # again for the agreed block count (the prefix cache forgets the old ones)
-        ex, before = two.engine.runner, two.engine.runner.kv_bytes
+        ex, before = two.engine.executor, two.engine.executor.facts().kv_bytes
         ex.allocate_kv(two.engine.pool.num_blocks, two.engine.max_model_len)
         two.engine.pool.reset_prefix_cache()
-        assert ex.kv_bytes == before and _tokens(two, prompts) == want
+        assert ex.facts().kv_bytes == before and _tokens(two, prompts) == want
     finally:
         two.engine.close()
 
@@ -106,7 +106,7 @@ def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids,
     """Each rank writes and reads its own shard of a block, in a folder of its own (the key
     names rank and world size); what the server reports (events, counters) comes from them."""
     from tierserve.engine.kv_tiers.events import BlockStored
-    from tierserve.engine.worker.tp_tiers import rank_fingerprint
+    from tierserve.engine.worker.tp.protocol import rank_fingerprint
 
     prompt = corpus_ids[:160]
     tiers = dict(kv_tiers="disk", disk_tier_dir=str(tmp_path / "kv"))
@@ -183,7 +183,7 @@ def test_what_tensor_parallel_refuses(kwargs, words):
 
 
 def _workers(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "tierserve.engine.worker.tensor_parallel"],
+    out = subprocess.run(["pgrep", "-f", "tierserve.engine.worker.tp.rank"],
                          capture_output=True, text=True).stdout.split()
     return [int(p) for p in out if _parent(int(p)) == pid]
 
@@ -300,7 +300,7 @@ def test_sparse_decode_per_rank_equals_tp1(corpus_ids):
     three = LLM(tensor_parallel_size=3, **kw)
     try:
         assert _tokens(three, prompts) == want
-        stats = three.engine.runner.sparse.stats  # rank 0's heads
+        stats = three.engine.executor.sparse_stats()  # rank 0's heads
         assert 0 < stats.blocks_attended < stats.blocks_total
     finally:
         three.engine.close()
@@ -337,7 +337,7 @@ def test_a_rank_that_cannot_load_stops_the_start_with_its_error(llm):
     with it, and no rank is left running."""
     import dataclasses
 
-    from tierserve.engine.worker.tensor_parallel import TPExecutor, WorkerDied
+    from tierserve.engine.worker.tp.executor import TPExecutor, WorkerDied
 
     cfg = dataclasses.replace(llm.engine.config, model="/nonexistent/model.gguf")
     before = set(_workers(os.getpid()))

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.worker.loaders.lazy import LazyWeights, safetensors_entries
-from tierserve.engine.worker.tensor_parallel import shard_model
+from tierserve.engine.worker.tp.shard import shard_model
 
 _spec = importlib.util.spec_from_file_location("load_memory", "bench/load_memory.py")
 load_memory = importlib.util.module_from_spec(_spec)
@@ -57,7 +57,7 @@ def test_the_model_holds_the_checkpoint_in_its_dtype(small_dir, dtype):
 
     llm = LLM(model=small_dir, device="cpu", dtype=dtype, kv_cache_memory_bytes=1 << 20,
               max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, num_threads=1)
-    model, w = llm.engine.runner.model, load_model_source(small_dir).weights
+    model, w = llm.engine.executor.runner.model, load_model_source(small_dir).weights
     want = getattr(torch, dtype)
     assert {p.dtype for p in model.parameters()} == {want}
     attn = model.layers[1].self_attn
@@ -88,7 +88,7 @@ def test_a_rank_reads_its_slices_of_the_file(small_dir, size):
 
 def _eager_shard(cfg, weights, rank: int, size: int) -> dict[str, torch.Tensor]:
     """The cut as shard_model made it before streaming: whole tensors in memory, sliced."""
-    from tierserve.engine.worker.tensor_parallel import ShardPlan
+    from tierserve.engine.worker.tp.shard import ShardPlan
 
     plan = ShardPlan(rank, size, cfg)
     d = cfg.head_dim

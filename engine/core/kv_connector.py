@@ -93,7 +93,7 @@ class BlockCopy:
 class Placement:
     """Where a fetched run goes in the device cache, and what of it is promoted."""
 
-    request: Request
+    request_id: RequestId
     block_ids: tuple[int, ...]
     """Device blocks for the first len(block_ids) fetched blocks (empty: no room, recompute)."""
     promote: tuple[BlockCopy, ...] = ()
@@ -180,7 +180,8 @@ class KVConnectorScheduler:
             if st.request.num_preemptions == 0:  # usage counts the first admission's hits
                 for name in sources:
                     st.hit_tokens[name] = st.hit_tokens.get(name, 0) + self.block_size
-            out.append(Placement(st.request, tuple(ids or ()), self._promotions(st, sources)))
+            out.append(Placement(st.request.request_id, tuple(ids or ()),
+                                 self._promotions(st, sources)))
         return out
 
     def _promotions(self, st: _TierState, sources: Sequence[str]) -> tuple[BlockCopy, ...]:

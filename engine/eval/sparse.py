@@ -42,7 +42,7 @@ def teacher_forced(engine: LLMEngine, ids: list[int], start: int, modes: list[bo
                    progress: Callable[[int, int], None] | None = None) -> list[ModeResult]:
     """Decode positions start .. len(ids) - 2 of `ids` once per mode (a sparse_attention hint:
     True, False or None for the engine's default), feeding the true tokens."""
-    runner, bs = engine.runner, engine.runner.block_size
+    runner, bs = engine.executor.runner, engine.executor.runner.block_size
     nb = -(-len(ids) // bs)
     blocks = engine.pool.allocate(nb * len(modes))
     if blocks is None:

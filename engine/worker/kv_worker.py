@@ -40,13 +40,19 @@ class _Fetched:
 
 
 class KVConnectorWorker:
-    def __init__(self, manager: TierManager, runner, cost: CostModel,
-                 load_timeout_s: float = 30.0):
-        self.manager, self.runner, self.cost = manager, runner, cost
+    def __init__(self, manager: TierManager, runner, load_timeout_s: float = 30.0):
+        self.manager, self.runner = manager, runner
+        self.cost: CostModel | None = None
+        """Where measurements go (attach): the scheduler side's CostModel, or a rank's
+        Measurements under tensor parallel."""
         self.load_timeout_s = load_timeout_s
         self._thread = cf.ThreadPoolExecutor(4, thread_name_prefix="kv-fetch")
         self._futures: dict[RequestId, cf.Future] = {}
         self._fetched: dict[RequestId, _Fetched] = {}
+
+    def attach(self, cost: CostModel) -> None:
+        """The cost model to feed; its first measurements (a probe of each tier) start now."""
+        self.cost = cost
         self._thread.submit(self._probe)
 
     # ---- loads ---------------------------------------------------------------------------------
@@ -84,7 +90,7 @@ class KVConnectorWorker:
     def write(self, placements: Sequence[Placement]) -> None:
         """Each fetched run's KV into its device blocks, then its promotions to the tiers."""
         for p in placements:
-            got = self._fetched.pop(p.request.request_id, None)
+            got = self._fetched.pop(p.request_id, None)
             if got is None or not p.block_ids:
                 continue
             blocks = got.blocks[:len(p.block_ids)]

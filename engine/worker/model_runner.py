@@ -22,6 +22,7 @@ from tierserve.engine.config import EngineConfig, ModelConfig
 from tierserve.engine.worker.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, wants_graphs
 from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
 from tierserve.engine.worker.models import model_class
+from tierserve.engine.worker.models.llama import ParallelContext
 from tierserve.engine.worker.quant import quantize_model, weight_bytes
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.outputs import TopLogprobs
@@ -63,8 +64,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
-                 num_blocks: int, max_model_len: int, blocks: dict | None = None):
+                 num_blocks: int, max_model_len: int, blocks: dict | None = None,
+                 tp: ParallelContext | None = None):
+        """`tp`: a tensor-parallel rank's collectives (engine/worker/tp/shard.py), given to the
+        model as it is built; `model_cfg` and `weights` are then the rank's shard."""
         self.config = config
+        self.tp = tp
         self.model_cfg = model_cfg
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -158,7 +163,8 @@ class ModelRunner:
         fp32 weights on the host (engine/worker/quant.py packs those), then moves the rest."""
         quantized = self.config.quantization != "none"
         with torch.device("meta"):
-            model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len)
+            model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len,
+                                                             self.tp)
         _empty_parameters(model, torch.device("cpu") if quantized else self.device,
                           torch.float32 if quantized else self.dtype)
         model.stack_decode_min_batch = self.config.stack_decode_min_batch

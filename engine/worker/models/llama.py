@@ -6,7 +6,8 @@ paged KV cache and the step's metadata through the forward context (kernels.cont
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +23,26 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class ParallelContext(Protocol):
+    """A rank's collectives, as the model calls them (tensor parallel's Shard)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def embed(self, ids: torch.Tensor, table: nn.Module) -> torch.Tensor: ...
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
-    reduce = staticmethod(_same)
-    """Tensor parallel: the all-reduce of o_proj's partial sums (row-parallel); else identity."""
     ops = None
     """The native extension on CPU fp32 (see RMSNorm); rope_store_kv_ then rotates q/k in place
     and stores K/V in one pass, where the cache is a plain fp32 one."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _same):
         super().__init__()
+        self.reduce = reduce
+        """Tensor parallel: the all-reduce of o_proj's partial sums (row-parallel); else identity."""
         self.layer = layer
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
@@ -63,12 +75,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    reduce = staticmethod(_same)
-    """Tensor parallel: the all-reduce of down_proj's partial sums (row-parallel); else identity."""
     ops = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] = _same):
         super().__init__()
+        self.reduce = reduce
+        """Tensor parallel: the all-reduce of down_proj's partial sums (row-parallel); else identity."""
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
@@ -88,12 +100,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _same):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rope)
+        self.self_attn = Attention(cfg, layer, rope, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, reduce)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +120,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: ParallelContext | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        """Tensor parallel (engine/worker/tp/shard.py's Shard), or None: this rank holds a slice
+        of the vocabulary in the embedding and the LM head, and its layers all-reduce."""
         # Left uninitialized for load_weights (a random init on the meta device would import
         # torch's Python meta kernels: ~150 MB of host memory for nothing).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -121,17 +137,15 @@ class LlamaForCausalLM(nn.Module):
             rope = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                  mpe),
                                    max_positions, rope_attention_factor(cfg.rope_scaling, mpe))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        reduce = _same if tp is None else tp.all_reduce
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, reduce)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.ops = None
         """The native extension, set by use_native_ops()."""
         self._stack: list[torch.Tensor] | None = None
         """Every layer's weights in decode_forward's order, when the one-call path applies."""
-
-    tp = None
-    """Tensor parallel (engine/worker/tensor_parallel.py's Shard), or None: this rank holds a
-    slice of the vocabulary in the embedding and the LM head."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

@@ -1,6 +1,6 @@
 """The KV tiers under tensor parallel: each rank stores and loads its own shard of every block.
 
-    main process (TPTierWorker: the worker side's face)        rank r of N
+    main process (TPTierWorker: the worker side's face)        rank r of N (tp/rank.py)
     ---------------------------------------------------        -----------
     start(loads)      -- kv_start -->  every rank           RankTiers: a TierManager over the
     finished()        -- kv_poll  -->  every rank, <-- done    rank's shard ([layers, 2, its KV
@@ -26,11 +26,7 @@ rank 0's counters with the bytes summed over ranks, and rank 0's measurements fo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import logging
-import threading
 import time
-import types
 from typing import Sequence
 
 from tierserve.engine.core.kv_connector import BlockCopy, FetchedRun, LoadJob, Placement
@@ -39,104 +35,12 @@ from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.events import EventLog, EventSlice
 from tierserve.engine.kv_tiers.layout import BlockLayout
 from tierserve.engine.kv_tiers.stats import TierStats
-
-log = logging.getLogger(__name__)
+from tierserve.engine.worker.tp.protocol import WorkerDied
 
 POLL_INTERVAL_S = 0.25
 """With no fetch in flight, how often the step loop still asks the ranks for their events and
 counters."""
 
-
-def rank_fingerprint(fingerprint: bytes, rank: int, size: int) -> bytes:
-    """The key space of rank `rank`'s shards (the model fingerprint already names the size)."""
-    return hashlib.sha256(fingerprint + f"|tp rank {rank} of {size}".encode()).digest()[:16]
-
-
-def rank_tier_config(config: TierConfig, size: int) -> TierConfig:
-    """Each rank's share of the byte budgets."""
-    return dataclasses.replace(config, cpu_bytes=config.cpu_bytes // size,
-                               disk_bytes=config.disk_bytes // size)
-
-
-# ---- the rank's side ----------------------------------------------------------------------------
-
-class _Measured:
-    """The cost model's observe_* calls, kept for the main process (the CostModel is there)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, tuple]] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name: str):
-        if not name.startswith("observe_"):
-            raise AttributeError(name)
-
-        def record(*args):
-            with self._lock:
-                self.calls.append((name, args))
-        return record
-
-    def take(self) -> list[tuple[str, tuple]]:
-        with self._lock:
-            out, self.calls = self.calls, []
-        return out
-
-
-class RankTiers:
-    """A rank's tiers: its TierManager and KVConnectorWorker over its own shard of the cache."""
-
-    def __init__(self, runner, config: TierConfig, fingerprint: bytes, rank: int, size: int):
-        from tierserve.engine.kv_tiers.manager import TierManager
-        from tierserve.engine.worker.kv_worker import KVConnectorWorker
-
-        self.rank = rank
-        self.manager = TierManager(rank_tier_config(config, size),
-                                   rank_fingerprint(fingerprint, rank, size), runner.block_shape,
-                                   runner.kv_dtype)
-        self.measured = _Measured()
-        self.worker = KVConnectorWorker(self.manager, runner, self.measured,
-                                        config.load_timeout_s)
-        self._seq = 0
-        """The last of this rank's events relayed."""
-
-    def describe(self) -> dict:
-        return {"descriptors": self.manager.descriptors()}
-
-    def handle(self, kind: str, payload):
-        """One kv_* message; the answer for kv_poll and kv_flush (None for the others)."""
-        w = self.worker
-        if kind == "kv_start":
-            w.start(payload)
-        elif kind == "kv_cancel":
-            w.cancel(payload)
-        elif kind == "kv_write":
-            w.write([types.SimpleNamespace(request=types.SimpleNamespace(request_id=rid),
-                                           block_ids=ids, promote=promote)
-                     for rid, ids, promote in payload])
-        elif kind == "kv_copy":
-            w.copy_out(payload)
-        elif kind == "kv_poll":
-            done = [(r.request_id, r.sources, r.abandoned) for r in w.finished()]
-            return done, *self._report()
-        elif kind == "kv_flush":
-            return self.manager.flush(payload), *self._report()
-        return None
-
-    def _report(self):
-        """Measurements, events (rank 0 only) and counters since the last report."""
-        events: list = []
-        if self.rank == 0:
-            got = self.manager.events.since(self._seq)
-            events = [e.event for e in got.events]
-            if got.events:
-                self._seq = got.events[-1].seq
-        return self.measured.take(), events, self.manager.stats()
-
-    def close(self) -> None:
-        self.worker.close()
-
-
-# ---- the main process's side --------------------------------------------------------------------
 
 class _RelayedEvents(EventLog):
     """The main EventLog: rank 0's events, pulled from the ranks when a reader asks (and on the
@@ -213,9 +117,10 @@ class TPTierWorker:
         self.ex = executor
         self.size = executor.size
         self.cost = None
-        """The scheduler side's CostModel (set by the engine once it exists)."""
+        """The scheduler side's CostModel (attach)."""
         infos = executor.request_all(("kv_tiers", (config, fingerprint)))
-        layout = BlockLayout(fingerprint, executor.block_shape, executor.kv_dtype)
+        facts = executor.facts()
+        layout = BlockLayout(fingerprint, facts.block_shape, facts.kv_dtype)
         self.manager = TPTierManager(self, config, layout, infos[0]["descriptors"])
         self._in_flight: set[RequestId] = set()
         """Loads started whose fetch not every rank has finished."""
@@ -227,6 +132,10 @@ class TPTierWorker:
         self._last_poll = 0.0
 
     # ---- KVConnectorWorker's face --------------------------------------------------------------
+
+    def attach(self, cost) -> None:
+        """The scheduler side's CostModel: the ranks' measurements go into it."""
+        self.cost = cost
 
     # The bookkeeping below changes only while the channel is held: a reader's thread may poll
     # the ranks (refresh) between two steps.
@@ -259,12 +168,10 @@ class TPTierWorker:
                 self.ex.send_all(("kv_cancel", rid))
 
     def write(self, placements: Sequence[Placement]) -> None:
-        items = [(p.request.request_id, tuple(p.block_ids), tuple(p.promote))
-                 for p in placements]
-        if items:  # each rank times its own copy in (its measurements come back on a poll)
+        if placements:  # each rank times its own copy in (its measurements come back on a poll)
             with self.ex.exchange():
-                self._unwritten.difference_update(i[0] for i in items)
-                self.ex.send_all(("kv_write", items))
+                self._unwritten.difference_update(p.request_id for p in placements)
+                self.ex.send_all(("kv_write", list(placements)))
 
     def copy_out(self, jobs: Sequence[BlockCopy]) -> None:
         jobs = [j for j in jobs if j.keys]
@@ -280,8 +187,6 @@ class TPTierWorker:
         """Ask the ranks for their events and counters (from a reader's thread: at most every
         POLL_INTERVAL_S, and only if the step loop is not talking to them; it polls soon enough
         itself)."""
-        from tierserve.engine.worker.tensor_parallel import WorkerDied
-
         if time.monotonic() - self._last_poll < POLL_INTERVAL_S:
             return
         with self.ex.exchange(block) as held:
