@@ -186,3 +186,17 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def check_salt(salt: str | None) -> None:
+    """A salt is a non-empty string of valid Unicode (vLLM refuses an empty one too): "" would
+    read as "no salt" in one place and as a salt in another."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ParamError("cache_salt", "cache_salt must be valid Unicode (it holds a lone "
+                         "surrogate)") from None

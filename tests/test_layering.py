@@ -169,3 +169,24 @@ def test_no_server_module_reads_engine_internals():
 def test_the_request_carries_no_tier_state():
     names = [f.name for f in dataclasses.fields(Request)]
     assert not [n for n in names if "tier" in n or "stored" in n], names
+
+
+def test_the_engine_loop_stays_small_and_never_asks_which_executor():
+    """llm_engine.py keeps add / step / abort / outputs (construction is engine/build.py's)
+    under 300 lines, with no isinstance on an executor or a runner; no function in the library
+    runs past 60 lines."""
+    loop = (ROOT / "engine" / "llm_engine.py").read_text()
+    assert len(loop.splitlines()) < 300
+    asks = [n for n in ast.walk(ast.parse(loop)) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) == "isinstance"
+            and re.search(r"Executor|Runner", ast.unparse(n))]
+    assert not asks, [ast.unparse(n) for n in asks]
+    long = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 60:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
+    assert not long, long

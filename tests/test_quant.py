@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierserve.engine.llm import LLM
-from tierserve.engine.llm_engine import resolve_quantization
+from tierserve.engine.worker.quant import resolve_quantization
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
 from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Groups,

@@ -184,7 +184,7 @@ def test_stop_waits_for_the_grammar_compiler_still_starting():
     engine.start()
     engine.stop()
     assert not [t for t in threading.enumerate() if t.name == "grammar-init"]
-    book = engine.engine._grammars
+    book = engine.engine.grammar.built
     assert book is not None, "the grammar compiler was built by start()'s thread"
     with pytest.raises(Exception, match="stopped|closed"):
         book.compiler.submit(StructuredOutput.json_object(), None).result(timeout=10)

@@ -2,15 +2,20 @@
 which blocks move where. Plain Python, no torch (as vLLM v1's scheduler-side connector); the
 worker side (engine/worker/kv_worker.py) moves the bytes.
 
-    the step (LLMEngine.step)              this side                       the worker side
-    -------------------------              ---------                       ---------------
-    scheduler admits a request       ->    on_admit: decide, LoadJob  ->   start(loads): fetch
-                                                                           thread looks up, reads
+    the step (engine/kv_connector.py)      this side                       the worker side
+    ---------------------------------      ---------                       ---------------
     before scheduling                <-    place(fetched): allocate   <-   finished(): FetchedRun
-      write, then complete_load            device blocks, plan the         write(placements):
-                                           promotions                        KV in, promotions out
-    cached blocks the pool evicted   ->    demotions(evicted)         ->   copy_out(jobs): gather,
-    newly full blocks (update)       ->    stores(full)               ->     queue to the tiers
+      complete_load                        device blocks, plan the
+                                           promotions
+    scheduler admits a request       ->    on_admit: decide, LoadJob
+    before the forward               ->    plan_step: one KVStepPlan  ->   apply(plan), in order:
+                                           (the blocks the pool took        copy the demoted
+                                           back, the placements, the        blocks out, write the
+                                           loads)                           fetched runs in (and
+                                                                            promote), start the
+                                                                            fetches
+    newly full blocks (update)       ->    stores(full)               ->   copy_out(jobs): gather,
+                                                                           queue to the tiers
 
 The table of per-request tier state (decision, hit tokens, blocks stored, asked already) is this
 side's own, keyed by request id: the Request type carries no tier fields. Decisions come from the
@@ -113,6 +118,21 @@ class _TierState:
     """Blocks handed to the tier store (for max_offload_tokens)."""
 
 
+@dataclass(frozen=True)
+class KVStepPlan:
+    """What the worker side does before a step's forward, in this order: copy out the cached
+    blocks the pool took back (their KV is intact until the forward writes), write the fetched
+    runs into their device blocks (and queue their promotions), start the new fetches."""
+
+    copies: tuple[BlockCopy, ...] = ()
+    placements: tuple[Placement, ...] = ()
+    loads: tuple[LoadJob, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.copies or self.placements or self.loads)
+
+
 class KVConnectorScheduler:
     def __init__(self, tiers: Sequence[TierDescriptor], block_size: int, block_bytes: int,
                  pool: BlockPool):
@@ -152,6 +172,16 @@ class KVConnectorScheduler:
     def take_loads(self) -> list[LoadJob]:
         loads, self._loads = self._loads, []
         return loads
+
+    def plan_step(self, placements: Sequence[Placement],
+                  preempted: Sequence[RequestId]) -> KVStepPlan:
+        """The step's plan once the scheduler has run: the demotions of every block the pool
+        took back since the last plan (placing fetched runs and scheduling both allocate), the
+        placements made before scheduling, the loads its admissions planned. Requests preempted
+        by it ask the tiers again when readmitted."""
+        self.preempted(preempted)
+        return KVStepPlan(tuple(self.demotions(self.pool.take_evicted())), tuple(placements),
+                          tuple(self.take_loads()))
 
     def preempted(self, ids: Sequence[RequestId]) -> None:
         """Preempted requests ask the tiers again when readmitted (their blocks may be there)."""
@@ -275,6 +305,10 @@ class NoKVConnector:
 
     def take_loads(self) -> list[LoadJob]:
         return []
+
+    def plan_step(self, placements: Sequence[Placement],
+                  preempted: Sequence[RequestId]) -> KVStepPlan:
+        return KVStepPlan()
 
     def preempted(self, ids: Sequence[RequestId]) -> None:
         pass

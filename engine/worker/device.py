@@ -149,3 +149,18 @@ def measure_gpu_kv_bytes(runner: ModelRunner, utilization: float) -> int:
     free, total = torch.cuda.mem_get_info(dev)
     other = max(0, total - free - torch.cuda.memory_reserved(dev))
     return gpu_kv_cache_bytes(total, utilization, weights, peak, other)
+
+
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """The GPU's compute capability, or None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()

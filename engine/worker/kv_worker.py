@@ -1,11 +1,14 @@
 """The worker side of the KV connector: moves blocks between the device cache and the tiers by
 the plans of the scheduler side (engine/core/kv_connector.py), and reports what finished.
 
-    start(loads)       each LoadJob on the fetch thread: manager.lookup, then start_load and a
-                       wait bounded by the job's deadline (arrival + TTFT budget) or load_timeout_s
-    finished()         fetches that are done, as FetchedRun (their KV stays here until write())
-    write(placements)  a fetched run's KV into its device blocks; its promotions to the tiers
-    copy_out(jobs)     device blocks gathered once, queued to the tiers (stores, demotions)
+    finished()         fetches that are done, as FetchedRun (their KV stays here until written)
+    apply(plan)        the step's KVStepPlan before its forward, in order: its copies (demotions)
+                       out, its placements written (a fetched run's KV into its device blocks;
+                       its promotions to the tiers), its loads started (each LoadJob on the fetch
+                       thread: manager.lookup, then start_load and a wait bounded by the job's
+                       deadline, arrival + TTFT budget, or load_timeout_s)
+    copy_out(jobs)     device blocks gathered once, queued to the tiers (the stores after the
+                       forward)
 
 The step never waits on a tier: lookups (S3 HEADs) and payload reads run on the fetch thread; a
 fetch that fails, is corrupt or runs late gives a shorter run (maybe none) and the rest of the
@@ -24,7 +27,8 @@ from typing import Sequence
 import torch
 
 from tierserve.engine.core.block_hash import BlockHash
-from tierserve.engine.core.kv_connector import BlockCopy, FetchedRun, LoadJob, Placement
+from tierserve.engine.core.kv_connector import (BlockCopy, FetchedRun, KVStepPlan, LoadJob,
+                                                Placement)
 from tierserve.engine.kv_tiers.manager import TierManager
 from tierserve.engine.core.request import RequestId
 from tierserve.engine.core.tier_policy import CostModel
@@ -54,6 +58,12 @@ class KVConnectorWorker:
         """The cost model to feed; its first measurements (a probe of each tier) start now."""
         self.cost = cost
         self._thread.submit(self._probe)
+
+    def apply(self, plan: KVStepPlan) -> None:
+        """The step's plan, before its forward (see KVStepPlan for the order)."""
+        self.copy_out(plan.copies)
+        self.write(plan.placements)
+        self.start(plan.loads)
 
     # ---- loads ---------------------------------------------------------------------------------
 
@@ -182,7 +192,10 @@ class NoKVWorker:
 
     manager = None
 
-    def start(self, loads: Sequence[LoadJob]) -> None:
+    def apply(self, plan: KVStepPlan) -> None:
+        pass
+
+    def attach(self, cost) -> None:
         pass
 
     def finished(self) -> list[FetchedRun]:
@@ -192,9 +205,6 @@ class NoKVWorker:
         pass
 
     def cancel(self, rid: RequestId) -> None:
-        pass
-
-    def write(self, placements: Sequence[Placement]) -> None:
         pass
 
     def copy_out(self, jobs: Sequence[BlockCopy]) -> None:

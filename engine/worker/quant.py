@@ -408,6 +408,29 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks: bool,
+                         native: bool = True, capability: tuple[int, int] | None = None) -> str:
+    """--quantization as it will run: auto keeps a GGUF's blocks on the CPU in float32 where
+    every decoder linear has blocks the kernels take (has_q4_blocks: quant.gguf_covers) and the
+    native kernels are built (they give the fp32 path's bits from a fifth of the bytes), else
+    none. An explicit mode runs on the CPU in float32, or on CUDA in bfloat16 with compute
+    capability 8.0 or newer (torch's tinygemm int4 kernel; `capability`: the GPU's)."""
+    check_mode(mode)
+    here = device_type == "cpu" and dtype == "float32"
+    if mode == "auto":
+        return "gguf" if here and has_q4_blocks and native else "none"
+    if mode == "none" or here:
+        return mode
+    if device_type != "cuda" or dtype != "bfloat16":
+        raise QuantizationError(f"quantization {mode} runs on the CPU with dtype float32 or on "
+                                f"CUDA with bfloat16, not {device_type} with {dtype}; use none")
+    if capability is not None and capability < (8, 0):
+        raise QuantizationError(f"quantization {mode} on CUDA needs compute capability 8.0 or "
+                                f"newer (torch's int4 kernel); this GPU has "
+                                f"{capability[0]}.{capability[1]}: use none")
+    return mode
+
+
 def blocks_to_groups(b) -> Int4Groups | Int8Groups:
     """A loader's QuantBlocks decoded, with llama.cpp's RoPE row order undone like the fp32
     copy's (rows move with their blocks: the groups run along the input)."""

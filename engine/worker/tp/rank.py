@@ -193,12 +193,10 @@ class RankTiers:
     def handle(self, kind: str, payload):
         """One kv_* message; the answer for kv_poll and kv_flush (None for the others)."""
         w = self.worker
-        if kind == "kv_start":
-            w.start(payload)
+        if kind == "kv_plan":
+            w.apply(payload)
         elif kind == "kv_cancel":
             w.cancel(payload)
-        elif kind == "kv_write":
-            w.write(payload)  # the Placements
         elif kind == "kv_copy":
             w.copy_out(payload)
         elif kind == "kv_poll":

@@ -2,13 +2,12 @@
 
     main process (TPTierWorker: the worker side's face)        rank r of N (tp/rank.py)
     ---------------------------------------------------        -----------
-    start(loads)      -- kv_start -->  every rank           RankTiers: a TierManager over the
+    apply(plan)       -- kv_plan  -->  every rank           RankTiers: a TierManager over the
     finished()        -- kv_poll  -->  every rank, <-- done    rank's shard ([layers, 2, its KV
                       a run is done when every rank's is:      heads, block, dim]), fingerprint
                       its length the shortest of them          named by rank and world size, and
-    write(placements) -- kv_write -->  every rank               a KVConnectorWorker over it (the
-    copy_out(jobs)    -- kv_copy  -->  every rank               rank's own fetch thread, queues)
-    cancel(rid)       -- kv_cancel -> every rank
+    copy_out(jobs)    -- kv_copy  -->  every rank               a KVConnectorWorker over it (the
+    cancel(rid)       -- kv_cancel -> every rank               rank's own fetch thread, queues)
 
 The scheduler side (the tier policy, the block hashes, which blocks move where) stays in the main
 process, one for all ranks; the bytes never leave their rank. A tier's key space is the rank's
@@ -29,7 +28,7 @@ import dataclasses
 import time
 from typing import Sequence
 
-from tierserve.engine.core.kv_connector import BlockCopy, FetchedRun, LoadJob, Placement
+from tierserve.engine.core.kv_connector import BlockCopy, FetchedRun, KVStepPlan
 from tierserve.engine.core.request import RequestId
 from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.kv_tiers.events import EventLog, EventSlice
@@ -140,12 +139,15 @@ class TPTierWorker:
     # The bookkeeping below changes only while the channel is held: a reader's thread may poll
     # the ranks (refresh) between two steps.
 
-    def start(self, loads: Sequence[LoadJob]) -> None:
-        if loads:
+    def apply(self, plan: KVStepPlan) -> None:
+        """The step's plan to every rank in one message (each applies it to its own shard, in
+        the plan's order; a rank times its own copy-ins, its measurements come back on a poll)."""
+        if not plan.empty:
             with self.ex.exchange():
-                self._in_flight.update(j.request_id for j in loads)
-                self._unwritten.update(j.request_id for j in loads)
-                self.ex.send_all(("kv_start", list(loads)))
+                self._in_flight.update(j.request_id for j in plan.loads)
+                self._unwritten.update(j.request_id for j in plan.loads)
+                self._unwritten.difference_update(p.request_id for p in plan.placements)
+                self.ex.send_all(("kv_plan", plan))
 
     def finished(self) -> list[FetchedRun]:
         """Fetches every rank has finished; a run is as long as the shortest rank's."""
@@ -166,12 +168,6 @@ class TPTierWorker:
                 self._unwritten.discard(rid)
                 self._partial.pop(rid, None)
                 self.ex.send_all(("kv_cancel", rid))
-
-    def write(self, placements: Sequence[Placement]) -> None:
-        if placements:  # each rank times its own copy in (its measurements come back on a poll)
-            with self.ex.exchange():
-                self._unwritten.difference_update(p.request_id for p in placements)
-                self.ex.send_all(("kv_write", list(placements)))
 
     def copy_out(self, jobs: Sequence[BlockCopy]) -> None:
         jobs = [j for j in jobs if j.keys]
