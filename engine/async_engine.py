@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tierserve.engine.info import EngineInfo
@@ -36,9 +36,7 @@ from tierserve.engine.sampling_params import ParamError, SamplingParams, Structu
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.worker.tp.protocol import WorkerDied
 from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.worker.grammar import GrammarStats
-from tierserve.engine.worker.sparse import SparseStats
-from tierserve.engine.spec.speculator import SpecStats
+from tierserve.engine.stats import EngineSnapshot
 
 log = logging.getLogger(__name__)
 GRAMMAR_INIT_WAIT_S = 120.0
@@ -59,48 +57,6 @@ class ChildRequest:
     """Who may share the child's KV blocks (Request.cache_scope)."""
     tenant: str | None = None
     """Whose share of the engine the child uses (Request.tenant)."""
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """A histogram at one moment: counts per bucket (the last one above every bound), and the sum
-    of what was observed."""
-
-    bounds: tuple[float, ...] = ()
-    counts: tuple[int, ...] = ()
-    total: float = 0.0
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state published by the loop thread after each step (read by /metrics, admission)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    num_preemptions: int = 0
-    iteration_tokens: HistogramSnapshot = HistogramSnapshot()
-    """Tokens per step."""
-    table_width: HistogramSnapshot = HistogramSnapshot()
-    """Block-table width per step, in blocks."""
-    metadata_bytes: HistogramSnapshot = HistogramSnapshot()
-    """Bytes of metadata views per step."""
-    metadata_seconds: float = 0.0
-    sparse: SparseStats = SparseStats()
-    """Sparse decode's counters (frozen: the runner replaces them each step)."""
-    num_tracked: int = 0
-    """Requests the engine holds state for (a refused request must leave none)."""
-    grammar: GrammarStats = GrammarStats()
-    """Structured outputs: requests, compiles, cache hits, mask time."""
-    spec: SpecStats = field(default_factory=SpecStats)
-    """Speculative decoding's counters (a copy; zeros when it is off)."""
 
 
 class QueueFull(Exception):
@@ -197,6 +153,10 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (--chat-template); before the server starts."""
+        self.engine.tokenizer.set_chat_template(template)
 
     @property
     def info(self) -> EngineInfo:
@@ -404,20 +364,7 @@ class AsyncEngine:
             self._in_flight -= n
 
     def _publish(self) -> None:
-        e = self.engine
-        st, pool, sch = e.stats, e.pool, e.scheduler
-        self.snapshot = EngineSnapshot(len(sch.running), len(sch.waiting), pool.num_blocks,
-                                       pool.num_free, pool.usage, pool.queries, pool.hits,
-                                       st.prompt_tokens, st.generation_tokens, st.steps,
-                                       sch.num_preemptions, _hist(st.iteration_tokens),
-                                       _hist(st.table_width), _hist(st.metadata_bytes),
-                                       st.metadata_seconds,
-                                       e.executor.sparse_stats(), e.num_tracked,
-                                       e.grammar_stats(), e.spec_stats())
-
-
-def _hist(b) -> HistogramSnapshot:
-    return HistogramSnapshot(b.bounds, tuple(b.counts), b.total)
+        self.snapshot = self.engine.snapshot()
 
 
 def _put_all(stream: GroupStream, items: list) -> None:

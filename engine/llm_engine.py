@@ -1,7 +1,6 @@
-"""The synchronous engine: requests in, one scheduled model step at a time, outputs out.
-Built by engine/build.py (the settings, the model, the cache, the executor); what a request
-carries beyond the scheduler's state (its grammar, its speculation, its KV tiers) lives in
-extensions (engine/extensions.py), run over a list.
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs out. Built
+by engine/build.py; what a request carries beyond the scheduler's state (its grammar, its
+speculation, its KV tiers) lives in extensions (engine/extensions.py), run over a list.
 
 Not thread-safe: one thread owns it (the offline LLM, or the async engine's loop thread)."""
 
@@ -24,7 +23,7 @@ from tierserve.engine.outputs import CompletionOutput, RequestOutput, TopLogprob
 from tierserve.engine.sampling_params import (ParamError, SamplingParams, StructuredOutput,
                                               check_salt)
 from tierserve.engine.spec.speculator import SpecStats
-from tierserve.engine.stats import EngineStats
+from tierserve.engine.stats import EngineSnapshot, EngineStats, snapshot
 from tierserve.engine.worker.grammar import GrammarBook, GrammarCompiler, GrammarStats
 
 log = logging.getLogger(__name__)
@@ -95,6 +94,11 @@ class LLMEngine:
 
     def grammar_stats(self) -> GrammarStats:
         return self.grammar.stats()
+
+    def snapshot(self) -> EngineSnapshot:
+        """What the loop thread publishes after each step (metrics, admission)."""
+        return snapshot(self.stats, self.pool, self.scheduler, self.executor.sparse_stats(),
+                        self.num_tracked, self.grammar_stats(), self.spec_stats())
 
     def _grammar_compiler(self) -> GrammarCompiler:
         c = self.config

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tierserve.engine.async_engine import AsyncEngine
+from tierserve.engine.api import AsyncEngine
 from tierserve.server.auth import KeyRing
 from tierserve.server.body import BodyError
 from tierserve.server.config import ServerConfig, read_chat_template
@@ -112,7 +112,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine) -> FastAPI:
     ctx = ServerContext(config, engine, metrics, int(time.time()), tiers,
                         default_hints(config, tiers))
     if config.chat_template is not None:
-        engine.tokenizer.set_chat_template(read_chat_template(config.chat_template))
+        engine.set_chat_template(read_chat_template(config.chat_template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

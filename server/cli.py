@@ -199,7 +199,7 @@ def _check_files(config: ServerConfig) -> None:
         except (OSError, ssl.SSLError) as e:
             raise _Refused(f"ssl_certfile/ssl_keyfile: {e}") from None
     if config.chat_template is not None:
-        from tierserve.engine.tokenizer import compile_chat_template
+        from tierserve.engine.api import compile_chat_template
 
         try:
             compile_chat_template(read_chat_template(config.chat_template))
@@ -209,25 +209,16 @@ def _check_files(config: ServerConfig) -> None:
 
 def _build(config: ServerConfig):
     """The engine (the model loads here) and the app over it."""
-    from tierserve.engine.async_engine import AsyncEngine
-    from tierserve.engine.llm import build_config
-    from tierserve.engine.llm_engine import LLMEngine
-    from tierserve.engine.worker.device import DeviceError
-    from tierserve.engine.worker.loaders import ModelLoadError
-    from tierserve.engine.worker.tp.protocol import WorkerDied
+    from tierserve.engine.api import DeviceError, ModelLoadError, WorkerDied, open_engine
     from tierserve.server.app import build_app
     from tierserve.server.errors import ApiError
 
     try:
-        engine_config = build_config(**config.engine_kwargs())
-    except ValueError as e:  # e.g. a sparse setting out of range
-        raise _Refused(str(e)) from None
-    try:
-        engine = AsyncEngine(LLMEngine(engine_config), config.max_queue)
+        engine = open_engine(config.engine_kwargs(), config.max_queue)
     except (DeviceError, ModelLoadError):
         raise  # main() prints them
-    except ValueError as e:  # a setting the model cannot take (tensor parallel, a draft model)
-        raise _Refused(str(e)) from None
+    except ValueError as e:  # a setting out of range, or one the model cannot take (tensor
+        raise _Refused(str(e)) from None  # parallel, a draft model)
     except WorkerDied as e:  # a tensor-parallel rank could not start: its error
         raise _Refused(str(e), status=1) from None
     try:
@@ -586,8 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_load_error(e: Exception) -> bool:
     """Imported only now: these modules pull in torch, seconds a flag's typo should not wait."""
-    from tierserve.engine.worker.device import DeviceError
-    from tierserve.engine.worker.loaders import ModelLoadError
+    from tierserve.engine.api import DeviceError, ModelLoadError
 
     return isinstance(e, (ModelLoadError, DeviceError))
 

@@ -17,8 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from tierserve.engine.config import QUANTIZATIONS, parse_bytes
-from tierserve.engine.spec.config import SpeculativeConfig
+from tierserve.engine.api import QUANTIZATIONS, SpeculativeConfig, parse_bytes
 from tierserve.server.process_env import PROCESS_ENV
 
 

@@ -156,15 +156,13 @@ def _nested_section(title: str, cls: type, flat: dict[str, str], server_fields: 
 
 
 def _engine_sections() -> list[str]:
-    from tierserve.engine import config as engine_config
-    from tierserve.engine import llm
-    from tierserve.engine.kv_tiers.config import TierConfig
+    import tierserve.engine.api as api
     from tierserve.server.config import ServerConfig
 
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    tier_args = {"kv_tiers": "tiers", **getattr(llm, "TIER_ARGS", {})}
+    tier_args = {"kv_tiers": "tiers", **api.TIER_ARGS}
     sections = [_nested_section(
-        "KV tiers (`TierConfig`)", TierConfig, tier_args, server_fields,
+        "KV tiers (`TierConfig`)", api.TierConfig, tier_args, server_fields,
         "engine/kv_tiers/config.py; see [tiers.md](tiers.md). `tierserve serve` runs cpu,disk "
         "unless `kv_tiers` says otherwise (`none`: off); offline, `LLM(...)` runs none unless "
         "`kv_tiers` names some. The engine builds this from the flat settings in the second column, "
@@ -172,18 +170,15 @@ def _engine_sections() -> list[str]:
         "keywords. A field with no flat setting keeps its default under `tierserve serve`; "
         "offline, pass a whole `TierConfig` as `LLM(kv_tiers=TierConfig(...))`, and flat "
         "keywords given next to it override its fields.", {"cpu_bytes", "disk_bytes"})]
-    sparse_cls = getattr(engine_config, "SparseConfig", None)
-    if sparse_cls is not None:
-        sections.append(_nested_section(
-            "Sparse decode attention (`SparseConfig`)", sparse_cls,
-            getattr(llm, "SPARSE_ARGS", {}), server_fields,
-            "engine/config.py. Set through the flat settings in the second column, or offline "
-            "as a whole `LLM(sparse=SparseConfig(...))`.", set()))
+    sections.append(_nested_section(
+        "Sparse decode attention (`SparseConfig`)", api.SparseConfig, api.SPARSE_ARGS,
+        server_fields, "engine/config.py. Set through the flat settings in the second column, "
+        "or offline as a whole `LLM(sparse=SparseConfig(...))`.", set()))
     return sections
 
 
 def _hints_section() -> str:
-    from tierserve.engine.core.kv_hints import KVHints
+    from tierserve.engine.api import KVHints
 
     docs = field_docs(KVHints)
     rows = [(f"`{f.name}`", HINT_SOURCES.get(f.name, "see [headers.md](headers.md)"),

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierserve.engine.outputs import RequestOutput, TopLogprobs
-from tierserve.engine.core.tier_policy import TierDecision
+from tierserve.engine.api import RequestOutput, TierDecision, TopLogprobs
 from tierserve.server.protocol import PromptTokensDetails, Usage
 
 

@@ -15,12 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
-from tierserve.engine.async_engine import EngineSnapshot, HistogramSnapshot
-from tierserve.engine.worker.grammar import COMPILE_BUCKETS, GrammarStats
-from tierserve.engine.info import EngineInfo
-from tierserve.engine.kv_tiers.stats import LATENCY_BUCKETS
-from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.spec.speculator import SpecStats
+from tierserve.engine.api import (COMPILE_BUCKETS, LATENCY_BUCKETS, EngineInfo, EngineSnapshot,
+                                  GrammarStats, HistogramSnapshot, RequestOutput, SpecStats)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from tierserve.engine.core.kv_hints import KVHints, SloClass
-from tierserve.engine.core.tier_descriptor import TierDescriptor
-from tierserve.engine.core.tier_policy import TierDecision
+from tierserve.engine.api import KVHints, SloClass, TierDecision, TierDescriptor
 from tierserve.server.errors import ApiError, bad_request
 
 _MEDIA, _LOCALITIES = ("CPU", "STORAGE"), ("LOCAL", "REMOTE")

@@ -14,17 +14,13 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from tierserve.engine.async_engine import (AsyncEngine, ChildRequest, EngineStopped, GroupStream,
-                                           QueueFull)
-from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.sampling_params import ParamError, SamplingParams, StructuredOutput
+from tierserve.engine.api import (AsyncEngine, ChildRequest, EngineStopped, GroupStream, KVHints,
+                                  ParamError, QueueFull, RequestOutput, SamplingParams,
+                                  StructuredOutput, TierDecision, TierDescriptor)
 from tierserve.server.auth import caller, tenant_of
 from tierserve.server.config import ServerConfig
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.metrics import RequestObserver, ServerMetrics
-from tierserve.engine.core.kv_hints import KVHints
-from tierserve.engine.core.tier_policy import TierDecision
-from tierserve.engine.core.tier_descriptor import TierDescriptor
 from tierserve.server.policy import applied_params, parse_hints, policy_header
 from tierserve.server.protocol import ChatCompletionRequest, _SamplingFields
 

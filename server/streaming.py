@@ -16,7 +16,7 @@ from typing import AsyncIterator, Protocol
 
 from pydantic import BaseModel
 
-from tierserve.engine.async_engine import EngineStopped, GroupStream
+from tierserve.engine.api import EngineStopped, GroupStream
 from tierserve.server.deltas import SSE_DONE, Delta, DeltaTracker, sse
 from tierserve.server.errors import ApiError, error_json
 from tierserve.server.protocol import StreamOptions, Usage

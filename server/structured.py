@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tierserve.engine.sampling_params import ParamError, StructuredOutput
-from tierserve.engine.worker.grammar import CompileTicket, GrammarBusy
-from tierserve.engine.worker.grammar_pool import CompileProgress, JobState
+from tierserve.engine.api import (CompileProgress, CompileTicket, GrammarBusy, JobState, ParamError,
+                                  StructuredOutput)
 from tierserve.server.errors import ApiError, bad_request
 from tierserve.server.protocol import _SamplingFields
 

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.engine.sampling_params import StructuredOutput
+from tierserve.engine.api import StructuredOutput
 from tierserve.server.errors import bad_request
 from tierserve.server.structured import Constraint
 from tierserve.server.tool_parsers import ToolParser, tool_parser

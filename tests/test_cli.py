@@ -20,7 +20,7 @@ from server_fixtures import MODEL, free_port, server_process, wait_healthy
 TIERSERVE = shutil.which("tierserve", path=str(Path(sys.executable).parent)) or \
     shutil.which("tierserve")
 """The installed console script (.venv/bin/tierserve), what a user runs."""
-STARTUP_LINES = (" INFO tierserve.engine.llm_engine: device: ",
+STARTUP_LINES = (" INFO tierserve.engine.build: device: ",
                  " INFO tierserve.engine.worker.backend_choice: attention backends:",
                  " INFO tierserve.engine.llm_engine: engine ready: ")
 """Start-up lines the engine logs at info, the default level of serve and generate alike."""

@@ -190,3 +190,16 @@ def test_the_engine_loop_stays_small_and_never_asks_which_executor():
                     if lines > 60:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
     assert not long, long
+
+
+def test_the_server_imports_the_engine_only_through_its_face():
+    """server/ names the engine only as `tierserve.engine.api` (its value types, errors and
+    operations): no route, metric or CLI path reaches into an engine module."""
+    outside = []
+    for path in sorted((ROOT / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            outside += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                        if n.startswith("tierserve.engine") and n != "tierserve.engine.api"]
+    assert not outside, outside

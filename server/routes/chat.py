@@ -5,8 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from tierserve.engine.outputs import RequestOutput, TopLogprobs
-from tierserve.engine.tokenizer import TEMPLATE_VARIABLES
+from tierserve.engine.api import TEMPLATE_VARIABLES, RequestOutput, TopLogprobs
 from tierserve.server.body import CheckedRoute
 from tierserve.server.deltas import Delta, token_infos, usage_of
 from tierserve.server.errors import bad_request

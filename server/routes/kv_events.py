@@ -30,7 +30,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from tierserve.engine.kv_tiers.events import EventLog
+from tierserve.engine.api import EventLog
 from tierserve.server.auth import require_operator
 from tierserve.server.body import CheckedRoute
 from tierserve.server.errors import ApiError, bad_request
