@@ -27,14 +27,12 @@ import httpx
 
 def export_tokenizer(model: str, folder: Path) -> Path:
     """tokenizer.json + tokenizer_config.json of the served model, readable by AutoTokenizer."""
-    from gguf import GGUFReader
-
     from tierserve.engine.worker.loaders import resolve_path
-    from tierserve.engine.worker.loaders.gguf_loader import _field, _tokenizer
+    from tierserve.engine.worker.loaders.gguf_file import read_gguf
+    from tierserve.engine.worker.loaders.gguf_loader import _tokenizer
 
     path = resolve_path(model)
-    reader = GGUFReader(path)
-    info = _tokenizer(path, {k: _field(f) for k, f in reader.fields.items()})
+    info = _tokenizer(path, read_gguf(path).fields)
     folder.mkdir(parents=True, exist_ok=True)
     info.tokenizer.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": info.bos_token,

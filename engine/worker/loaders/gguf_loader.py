@@ -11,6 +11,7 @@ import torch
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource, QuantBlocks, file_digest,
                                              one_line)
+from tierserve.engine.worker.loaders.gguf_file import read_gguf
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
@@ -46,14 +47,12 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str) -> ModelSource:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors on truncated files
+        reader = read_gguf(path)
+    except Exception as e:  # ValueError/struct errors on truncated files
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({one_line(e)})") from None
     _check_size(path, reader)
-    fields = {k: _field(f) for k, f in reader.fields.items()}
+    fields = reader.fields
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
@@ -83,7 +82,7 @@ def _rope_heads(name: str, config: ModelConfig) -> int | None:
 
 
 def _check_size(path: str, reader) -> None:
-    """GGUFReader memory-maps the file and does not notice tensor data cut short."""
+    """The reader memory-maps the file and does not notice tensor data cut short."""
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     size = os.path.getsize(path)
     if end > size:
@@ -127,13 +126,6 @@ def _tokenizer(path: str, fields: dict) -> TokenizerInfo:
             fields.get("tokenizer.chat_template"))
     except Exception as e:
         raise ModelLoadError(f"{path}: unusable tokenizer metadata ({one_line(e)})") from None
-
-
-def _field(f):
-    try:
-        return f.contents()
-    except Exception:
-        return None
 
 
 def _rope_scaling(path: str, g) -> dict | None:
