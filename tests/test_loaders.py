@@ -14,6 +14,7 @@ import torch
 
 from tierserve.engine import LLM, SamplingParams
 from tierserve.engine.worker.loaders import ModelLoadError, ModelSource, load_model_source
+from tierserve.engine.worker.loaders.gguf_file import read_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -175,8 +176,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _copy_tokenizer_metadata(writer, embedded_path: str) -> None:
-    r = gguf.GGUFReader(embedded_path)
-    c = lambda k: r.fields[k].contents()
+    fields = read_gguf(embedded_path).fields
+    c = fields.__getitem__
     writer.add_tokenizer_model(c("tokenizer.ggml.model"))
     writer.add_tokenizer_pre(c("tokenizer.ggml.pre"))
     writer.add_token_list(c("tokenizer.ggml.tokens"))
@@ -488,3 +489,24 @@ def test_quantized_linears_with_a_qkv_bias_in_one_call_and_layer_by_layer(tokeni
     by_layer = _our_greedy(llm, PROMPTS)
     monkeypatch.setattr(model, "stack_decode_min_batch", 1)
     assert _our_greedy(llm, PROMPTS) == by_layer
+
+
+def test_one_pass_header_reads_what_the_gguf_package_reads(gguf_path, tmp_path):
+    """read_gguf (a single struct pass over the header) gives the gguf package's GGUFReader's
+    metadata values and tensor table, and the same bytes for every tensor; a file that is not
+    GGUF, or of another version, is refused."""
+    r, mine = gguf.GGUFReader(gguf_path), read_gguf(gguf_path)
+    want = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    assert mine.fields == want
+    assert [(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
+            for t in r.tensors] == \
+        [(t.name, t.tensor_type, t.shape, t.data_offset, t.n_bytes) for t in mine.tensors]
+    for a, b in zip(r.tensors, mine.tensors):
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="bad magic"):
+        read_gguf(str(bad))
+    bad.write_bytes(b"GGUF" + (7).to_bytes(4, "little") + bytes(64))
+    with pytest.raises(ValueError, match="version 7"):
+        read_gguf(str(bad))
