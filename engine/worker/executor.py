@@ -47,14 +47,6 @@ class ExecutorFacts:
     graph_reserved_blocks: int
     """KV blocks kept out of the pool for the decode CUDA graphs' scratch (0: no graphs)."""
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one whole block's KV, every layer (what a tier stores per block)."""
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * self.kv_dtype.itemsize
-
 
 class TierWorker(Protocol):
     """The KV connector's worker side (KVConnectorWorker, or tensor parallel's TPTierWorker)."""

@@ -23,6 +23,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             11: "<q", 12: "<d"}
 """GGUF value type -> struct format (8 is a string, 9 an array)."""
 _STRING, _ARRAY = 8, 9
+_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+          "I32": np.int32, "I64": np.int64}
+"""Tensor types stored as plain values (the rest as rows of bytes)."""
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
@@ -126,8 +129,7 @@ def _tensor(gguf, data: np.ndarray, start: int, name: str, dims: tuple[int, ...]
     np_dims = tuple(reversed(dims))
     first = start + offset
     view = data[first:first + n_bytes]
-    plain = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
-             "I16": np.int16, "I32": np.int32, "I64": np.int64}.get(ggml_type.name)
+    plain = _PLAIN.get(ggml_type.name)
     if len(view) == n_bytes:  # a cut-short file keeps a short view: the caller checks sizes
         view = (view.view(plain).reshape(np_dims) if plain is not None
                 else view.reshape(gguf.quant_shape_to_byte_shape(np_dims, ggml_type)))
