@@ -510,3 +510,39 @@ def test_one_pass_header_reads_what_the_gguf_package_reads(gguf_path, tmp_path):
     bad.write_bytes(b"GGUF" + (7).to_bytes(4, "little") + bytes(64))
     with pytest.raises(ValueError, match="version 7"):
         read_gguf(str(bad))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_decoder_gives_the_gguf_packages_values(kind):
+    """gguf_blocks.dequantize (torch over a whole tensor) gives gguf.quants.dequantize's fp32
+    bits on random blocks, scales at fp16's edges included (subnormal, the largest, zero,
+    negative, infinity); a row that is not whole blocks is refused."""
+    from tierserve.engine.worker.loaders.gguf_blocks import BLOCK_BYTES, dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(7)
+    rows, cols = 24, 96
+    raw = rng.integers(0, 256, size=(rows, cols // 32 * BLOCK_BYTES[kind]), dtype=np.uint8)
+    edges = np.array([6e-8, 65504.0, 0.0, -1.5, -0.0, np.inf, 1e-3, 2.0], np.float16)
+    blocks = raw.reshape(rows, cols // 32, BLOCK_BYTES[kind])
+    blocks[:, :, 0:2] = np.resize(edges, blocks.shape[:2]).reshape(*blocks.shape[:2], 1).view(
+        np.uint8)
+    want = gguf.quants.dequantize(raw, qtype)
+    got = dequantize(raw, kind, (rows, cols))
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        dequantize(raw, kind, (rows * 2, cols // 2))
+
+
+def test_block_decoder_on_the_embedded_file(gguf_path):
+    """Every quantized tensor of the embedded GGUF decodes to the gguf package's bits."""
+    from tierserve.engine.worker.loaders.gguf_blocks import HEAD_BYTES, dequantize
+
+    f = read_gguf(gguf_path)
+    quantized = [t for t in f.tensors if t.tensor_type.name in HEAD_BYTES]
+    assert len(quantized) == 211  # 210 Q4_1 linears, the Q8_0 embedding
+    for t in quantized[::10] + quantized[-1:]:
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = dequantize(t.data, t.tensor_type.name, want.shape)
+        assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)), t.name

@@ -17,7 +17,7 @@ from tierserve.engine.core.tier_policy import SkipReason
 from tierserve.server.policy import policy_header
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-PROMPT_LEN = 1000
+PROMPT_LEN = 600  # past the policy's 512-token floor for remote tiers (s3)
 HIT = (PROMPT_LEN - 1) // 16 * 16
 
 
@@ -60,13 +60,13 @@ def test_store_filters_and_budgets_hold_in_the_tiers(tmp_path, weed, s3_creds, p
         assert disk_only.kv_decision.store_tiers == ("disk",)
 
         # explicit load tiers: only from disk, whatever else holds the blocks
-        capped = _run(llm, prompt, KVHints(load_tiers=("disk",), max_load_tokens=320,
-                                           max_offload_tokens=160, store_tiers=("cpu", "s3")))
+        capped = _run(llm, prompt, KVHints(load_tiers=("disk",), max_load_tokens=160,
+                                           max_offload_tokens=80, store_tiers=("cpu", "s3")))
         assert capped.outputs[0].token_ids == cold
-        assert capped.num_cached_tokens == 320 and capped.kv_hit_tokens["disk"] == 320
-        assert capped.kv_decision.max_load_blocks == 20
-        # max_offload_tokens=160: 10 blocks at most were stored, to cpu and s3 only
-        assert len(tiers["cpu"].keys()) == 10 and len(_s3_keys(weed.endpoint_url, prefix)) == 10
+        assert capped.num_cached_tokens == 160 and capped.kv_hit_tokens["disk"] == 160
+        assert capped.kv_decision.max_load_blocks == 10
+        # max_offload_tokens=80: 5 blocks at most were stored (of the 15 computed), to cpu and s3
+        assert len(tiers["cpu"].keys()) == 5 and len(_s3_keys(weed.endpoint_url, prefix)) == 5
 
         nothing = _run(llm, prompt, KVHints(load_tiers=()))
         assert nothing.num_cached_tokens == 0 and nothing.outputs[0].token_ids == cold

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from tierserve.engine.config import QUANTIZATIONS
+from tierserve.engine.worker.loaders.gguf_blocks import block_fields
 
 GROUP = 32
 PANEL = 16
@@ -90,21 +91,11 @@ def quantize_int4(w: torch.Tensor) -> Int4Groups:
 
 
 def gguf_q4_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Groups:
-    """A Q4_0 or Q4_1 tensor's blocks as Int4Groups, without re-quantizing. `raw` is the
-    tensor's bytes; a block is [d fp16] (+ [m fp16] for Q4_1) + 16 bytes holding 32 codes (low
-    nibbles: the block's first 16 weights, high nibbles: the last 16)."""
-    n, k = shape
-    head = 4 if kind == "Q4_1" else 2
-    blocks = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(
-        n, k // GROUP, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1"
-         else np.zeros_like(d))
-    qs = blocks[..., head:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    scale = torch.from_numpy(d)
-    offset = torch.from_numpy(m) if kind == "Q4_1" else -8 * scale
-    return Int4Groups(torch.from_numpy(codes.astype(np.int32)), scale, offset)
+    """A Q4_0 or Q4_1 tensor's blocks as Int4Groups, without re-quantizing (Q4_0's codes are
+    offset by 8: w = d code - 8 d)."""
+    f = block_fields(raw, kind, shape)
+    offset = f.m if kind == "Q4_1" else -8 * f.d
+    return Int4Groups(f.codes.to(torch.int32), f.d, offset)
 
 
 @dataclass(frozen=True)
@@ -128,12 +119,8 @@ def quantize_int8_groups(w: torch.Tensor) -> Int8Groups:
 
 def gguf_q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> Int8Groups:
     """A Q8_0 tensor's blocks ([d fp16] + 32 int8 codes each) as Int8Groups, as stored."""
-    n, k = shape
-    blocks = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(
-        n, k // GROUP, 2 + GROUP)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k).astype(np.int32)
-    return Int8Groups(torch.from_numpy(q), torch.from_numpy(d))
+    f = block_fields(raw, "Q8_0", shape)
+    return Int8Groups(f.codes.to(torch.int32), f.d)
 
 
 class QuantWeight:

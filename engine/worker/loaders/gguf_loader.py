@@ -11,6 +11,7 @@ import torch
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource, QuantBlocks, file_digest,
                                              one_line)
+from tierserve.engine.worker.loaders.gguf_blocks import HEAD_BYTES, dequantize
 from tierserve.engine.worker.loaders.gguf_file import read_gguf
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
@@ -92,9 +93,13 @@ def _check_size(path: str, reader) -> None:
 def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:
     import gguf
 
+    shape = tuple(int(x) for x in reversed(t.shape))
     try:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if t.tensor_type.name in HEAD_BYTES:  # torch over the whole tensor, gguf's values
+            arr = dequantize(t.data, t.tensor_type.name, shape).numpy()
+        else:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = np.asarray(arr, dtype=np.float32).reshape(shape)
     except NotImplementedError:
         raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from None
