@@ -73,6 +73,16 @@ def weed(tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def plain_server(tmp_path_factory):
+    """One `tierserve serve` with the tests' small settings and no feature flags, shared by the
+    tests that only need the defaults (a refused header, the README's tier example)."""
+    from server_fixtures import run_server
+
+    with run_server(tmp_path_factory.mktemp("plain")) as server:
+        yield server
+
+
 @pytest.fixture
 def s3_creds(monkeypatch):
     """The test server's key pair, given to boto3 the standard way (environment variables)."""

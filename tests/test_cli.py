@@ -67,13 +67,13 @@ def test_generate_prints_a_completion():
 def test_bad_model_is_one_line_error(tmp_path):
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 100)
-    for model, words in [("/no/such/model.gguf", "not found"), (str(truncated), "cut.gguf")]:
-        for cmd in (["generate", "hi"], ["serve", "--port", "0"]):
-            r = run(*cmd, "--model", model)
-            assert r.returncode == 2, (cmd, r.stderr)
-            assert "Traceback" not in r.stderr
-            err = [l for l in r.stderr.splitlines() if l.startswith("tierserve: error:")]
-            assert len(err) == 1 and words in err[0], r.stderr
+    for model, words, cmd in [("/no/such/model.gguf", "not found", ["generate", "hi"]),
+                              (str(truncated), "cut.gguf", ["serve", "--port", "0"])]:
+        r = run(*cmd, "--model", model)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "Traceback" not in r.stderr
+        err = [l for l in r.stderr.splitlines() if l.startswith("tierserve: error:")]
+        assert len(err) == 1 and words in err[0], r.stderr
 
 
 # ---- start-up errors: one line, in seconds, before the model loads ----------------------------

@@ -10,14 +10,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_prefix_cache_computes_only_new_tokens(corpus_ids):
     llm = LLM(kv_cache_memory_bytes=1 << 29)
     eng = llm.engine
-    prefix = corpus_ids[:1000]
+    prefix = corpus_ids[:500]
     first = prefix + corpus_ids[2000:2010]
     second = prefix + corpus_ids[3000:3013]
     llm.generate([first], GREEDY)
     before = eng.stats.computed_tokens
     out = llm.generate([second], GREEDY)[0]
     computed = eng.stats.computed_tokens - before
-    cached = (1000 // 16) * 16  # full blocks of the shared prefix
+    cached = (500 // 16) * 16  # full blocks of the shared prefix
     assert out.num_cached_tokens == cached
     # new prompt tokens past the cached blocks, plus one step per output token after the first
     assert computed == len(second) - cached + GREEDY.max_tokens - 1
@@ -25,13 +25,12 @@ def test_prefix_cache_computes_only_new_tokens(corpus_ids):
     assert out.outputs[0].token_ids == cold.generate([second], GREEDY)[0].outputs[0].token_ids
 
 
-def test_preemption_recomputes_and_frees_everything(varied_prompts):
-    prompts = varied_prompts[4:12]  # 31 .. 900 tokens
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    free = LLM(kv_cache_memory_bytes=1 << 29)
-    expected = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
-    # 100 blocks = 1,600 tokens: far less than the ~3,100 the prompts need at once.
-    tight = LLM(num_blocks=100, max_num_batched_tokens=256)
+def test_preemption_recomputes_and_frees_everything(llm, varied_prompts):
+    prompts = varied_prompts[4:11]  # 31 .. 512 tokens
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # 50 blocks = 800 tokens: far less than the ~1,540 the prompts need at once.
+    tight = LLM(num_blocks=50, max_num_batched_tokens=128)
     outs = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -198,15 +198,17 @@ class _CountingOps:
         return self.ops.decode_forward(*args, **kwargs)
 
 
-def _greedy_logprobs(engine, prompts, salt: str):
+def _greedy_logprobs(engine, prompts, salt: str, run: str = ""):
+    """Greedy tokens and logprobs; prompts under one cache salt share their cached blocks (a
+    second run with another `run` name decodes again from the prompts' cached KV)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{salt}-{i}", p, params, cache_salt=salt)
+    ids = [f"{salt}{run}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params, cache_salt=salt)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-    return [(done[f"{salt}-{i}"].token_ids, done[f"{salt}-{i}"].logprobs)
-            for i in range(len(prompts))]
+    return [(done[rid].token_ids, done[rid].logprobs) for rid in ids]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -214,7 +216,8 @@ def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypa
     """csrc/decode_forward.cpp: decode-only steps run every layer in one native call by a team of
     torch's threads (each GEMM's panels and the attention rows split between them, down to a batch
     of 1 on two threads); tokens and logprobs equal layer by layer's to the bit, for contexts of 1
-    to 1,500 tokens."""
+    to 1,500 tokens. The second run decodes from the first's cached prompts (prefill is not what
+    differs)."""
     model = llm.engine.executor.runner.model
     counting = _CountingOps(model.ops)
     monkeypatch.setattr(model, "ops", counting)
@@ -229,7 +232,7 @@ def test_decode_stack_in_one_call_is_bit_identical(llm, varied_prompts, monkeypa
         assert counting.teams == {threads}
         monkeypatch.setattr(model, "stack_decode_min_batch", 0)
         calls = counting.calls
-        by_layer = _greedy_logprobs(llm.engine, prompts, f"layers-{threads}")
+        by_layer = _greedy_logprobs(llm.engine, prompts, f"stack-{threads}", "layers")
         assert counting.calls == calls
     finally:
         torch.set_num_threads(old)

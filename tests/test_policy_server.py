@@ -75,16 +75,15 @@ def test_each_header_not_sent_keeps_the_servers_default(server, client):
     assert stored() == before
 
 
-def test_a_server_with_no_flags_answers_the_readme_tier_example(tmp_path):
+def test_a_server_with_no_flags_answers_the_readme_tier_example(plain_server, tmp_path):
     """No tier flags: cpu and disk run (README's example as written); --kv-tiers none: off."""
     headers = {"X-SLO-Class": "interactive", "X-SLO-TTFT-Ms": "500",
                "X-KV-Store-Tiers": "cpu,disk"}
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
-    with run_server(tmp_path) as plain:
-        r = httpx.post(plain.v1 + "/completions", json=body, headers=headers, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.headers["x-kv-policy"] == "load=cpu,disk; store=cpu,disk"
-        assert r.headers["x-kv-hit-tokens"] == "device=0,cpu=0,disk=0"
+    r = httpx.post(plain_server.v1 + "/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kv-policy"] == "load=cpu,disk; store=cpu,disk"
+    assert r.headers["x-kv-hit-tokens"] == "device=0,cpu=0,disk=0"
     with run_server(tmp_path, "--kv-tiers", "none") as off:
         r = httpx.post(off.v1 + "/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-KV-Store-Tiers"

@@ -199,14 +199,14 @@ def test_server_sparse_header_and_metrics(tmp_path, long_ids):
         assert m["tierserve:block_table_width_count"] > 0
 
 
-def test_header_on_without_sparse_is_400(tmp_path):
-    with run_server(tmp_path) as srv:
-        r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"X-Sparse-Attention": "on"},
-                       json={"model": "smollm2-135m", "max_tokens": 2,
-                             "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-        assert r.status_code == 400
-        err = r.json()["error"]
-        assert err["param"] == "X-Sparse-Attention" and "--sparse-topk" in err["message"]
-        ok = httpx.post(srv.base_url + "/v1/completions", headers={"X-Sparse-Attention": "off"},
-                        json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert ok.status_code == 200
+def test_header_on_without_sparse_is_400(plain_server):
+    srv = plain_server
+    r = httpx.post(srv.base_url + "/v1/chat/completions", headers={"X-Sparse-Attention": "on"},
+                   json={"model": "smollm2-135m", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "X-Sparse-Attention" and "--sparse-topk" in err["message"]
+    ok = httpx.post(srv.base_url + "/v1/completions", headers={"X-Sparse-Attention": "off"},
+                    json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
