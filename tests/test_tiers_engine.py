@@ -16,7 +16,7 @@ from tierserve.engine.kv_tiers.config import TierConfig
 from tierserve.engine.core.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-PROMPT_LEN = 1000
+PROMPT_LEN = 600  # past the policy's 512-token floor for remote tiers (s3)
 HIT_TOKENS = (PROMPT_LEN - 1) // 16 * 16  # every full block but the one with the last token
 
 

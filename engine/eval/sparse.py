@@ -2,7 +2,8 @@
 accuracy (tests/test_sparse_engine.py, bench/sparse.py).
 
 Every mode runs the same token ids as its own sequence, side by side in one batch: a dense
-prefill of the first `start` tokens, then one decode step per position, each fed the text's true
+prefill of the first `start` tokens (computed once, its KV copied to each mode's blocks), then one
+decode step per position, each fed the text's true
 token. At each position the logits give the mode's top-1 prediction and the negative log-likelihood
 of the true next token. Blocks come from the engine's pool and go back to it.
 """
@@ -52,11 +53,13 @@ def teacher_forced(engine: LLMEngine, ids: list[int], start: int, modes: list[bo
                         1, hints=KVHints(sparse_attention=m)) for i, m in enumerate(modes)]
         tables = [tuple(blocks[i * nb:(i + 1) * nb]) for i in range(len(modes))]
         budget = runner.config.scheduler.max_num_batched_tokens
-        for req, table in zip(reqs, tables):  # dense prefill, one chunk per step
-            for a in range(0, start, budget):
-                n = min(budget, start - a)
-                step = ScheduledRequest(req, a, n, table[:-(-(a + n) // bs)], False)
-                runner.execute(SchedulerOutput((step,), n))
+        for a in range(0, start, budget):  # one dense prefill, one chunk per step
+            n = min(budget, start - a)
+            step = ScheduledRequest(reqs[0], a, n, tables[0][:-(-(a + n) // bs)], False)
+            runner.execute(SchedulerOutput((step,), n))
+        filled = list(tables[0][:-(-start // bs)])
+        for table in tables[1:]:  # the same prefix's KV for every other mode
+            runner.write_blocks(list(table[:len(filled)]), runner.gather_blocks(filled))
         results = [ModeResult() for _ in modes]
         last = len(ids) - 1
         for p in range(start, last):
