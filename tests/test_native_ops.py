@@ -133,7 +133,7 @@ def _greedy(engine, prompts, salt: str) -> list[list[int]]:
 def test_model_gives_the_same_tokens_with_native_ops_off(llm, varied_prompts):
     engine, runner = llm.engine, llm.engine.executor.runner
     assert runner.native is ext  # CPU fp32: the engine uses the extension
-    prompts = [varied_prompts[i] for i in (3, 9, 13)]
+    prompts = [varied_prompts[i] for i in (3, 9, 10)]  # 17, 333 and 512 tokens
     before = engine.stats.computed_tokens
     fused = _greedy(engine, prompts, "fused")
     computed = engine.stats.computed_tokens - before
