@@ -56,12 +56,23 @@ def varied_prompts(corpus_ids) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    """Hugging Face transformers' Llama on the same GGUF, fp32."""
+    """Hugging Face transformers' Llama in fp32: its config read from the GGUF by transformers,
+    its weights the fp32 tensors our loader decoded from the same file. Those are gguf's own
+    dequantized values in transformers' q/k row order (tests/test_loaders.py checks both against
+    the gguf package and transformers' GGUF loader); transformers' own GGUF weight loader took 30
+    of the fixture's seconds on the 2-core box (it parses the file twice)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     d, f = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f),
+                                             dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(loaders.load_model_source(gguf_path).weights),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
