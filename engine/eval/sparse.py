@@ -2,10 +2,10 @@
 accuracy (tests/test_sparse_engine.py, bench/sparse.py).
 
 Every mode runs the same token ids as its own sequence, side by side in one batch: a dense
-prefill of the first `start` tokens (computed once, its KV copied to each mode's blocks), then one
-decode step per position, each fed the text's true
-token. At each position the logits give the mode's top-1 prediction and the negative log-likelihood
-of the true next token. Blocks come from the engine's pool and go back to it.
+prefill of the first `start` tokens (computed once, its KV copied to each mode's blocks), then
+one decode step per position, each fed the text's true token. At each position the logits give
+the mode's top-1 prediction and the negative log-likelihood of the true next token. Blocks come
+from the engine's pool and go back to it.
 """
 
 from __future__ import annotations
