@@ -536,7 +536,8 @@ def test_block_decoder_gives_the_gguf_packages_values(kind):
 
 
 def test_block_decoder_on_the_embedded_file(gguf_path):
-    """Every quantized tensor of the embedded GGUF decodes to the gguf package's bits."""
+    """Every tenth quantized tensor of the embedded GGUF, and its Q8_0 embedding, decode to the
+    gguf package's bits."""
     from tierserve.engine.worker.loaders.gguf_blocks import HEAD_BYTES, dequantize
 
     f = read_gguf(gguf_path)

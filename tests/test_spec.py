@@ -208,6 +208,77 @@ def test_32_mixed_requests_served_together(spec_llm, mixed):
     assert spec_llm.engine.spec_stats().num_drafts - before >= 32
 
 
+def test_stops_lengths_and_logprobs_hold_at_accepted_positions(llm, spec_llm, copy_prompts):
+    tok = llm.get_tokenizer()
+    plain = _run(llm, copy_prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    # a stop string from inside each greedy output, and a length that ends inside a verified run
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, stop=[o.text[12:18]], logprobs=2)
+             for o in plain] + [SamplingParams(temperature=0.0, max_tokens=n, logprobs=1,
+                                               stop_token_ids=[plain[0].token_ids[9]])
+                                for n in (3, 7)]
+    prompts = copy_prompts + copy_prompts[:2]
+    for p, prompt in zip(cases, prompts):
+        (a,), (b,) = _run(llm, [prompt], p), _run(spec_llm, [prompt], p)
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+            (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+        assert [(x.token_id, x.rank, [t for t, _ in x.top]) for x in b.logprobs] == \
+            [(x.token_id, x.rank, [t for t, _ in x.top]) for x in a.logprobs]
+        assert all(math.isclose(x.logprob, y.logprob, abs_tol=1e-4)
+                   for x, y in zip(a.logprobs, b.logprobs))
+    assert tok.decode(plain[0].token_ids)
+
+
+def test_seeded_samples_are_the_same_tokens(llm, spec_llm, copy_prompts):
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=30,
+                             ignore_eos=True, repetition_penalty=1.05) for i in range(3)]
+    want = [o.token_ids for o in _run(llm, copy_prompts, params)]
+    assert [o.token_ids for o in _run(spec_llm, copy_prompts, params)] == want
+
+
+def test_rejected_positions_never_reach_the_prefix_cache(spec_llm, llm, copy_prompts):
+    """A verified request's published blocks are reused by a later request: what that request
+    generates equals a cold run's tokens, so the cached KV is the verified tokens' KV."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    (first,) = spec_llm.generate([copy_prompts[1]], params)
+    follow = copy_prompts[1] + list(first.outputs[0].token_ids)
+    (warm,) = spec_llm.generate([follow], SamplingParams(temperature=0.0, max_tokens=12,
+                                                          ignore_eos=True))
+    assert warm.num_cached_tokens >= len(copy_prompts[1]) + 32
+    cold = LLM(enable_prefix_caching=False, **ENGINE)
+    (ref,) = cold.generate([follow], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert warm.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_blocks_come_back_after_speculation(spec_llm, copy_prompts):
+    pool = spec_llm.engine.pool
+    free = pool.num_free
+    _run(spec_llm, copy_prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    assert pool.num_free == free and spec_llm.engine.num_tracked == 0
+
+
+def test_structured_outputs_do_not_speculate_and_keep_their_grammar(llm, spec_llm):
+    from tierserve.engine.sampling_params import StructuredOutput
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutput
+                            .choice(["alpha beta alpha beta", "gamma"]))
+    prompt = "Say alpha beta alpha beta:"
+    before = spec_llm.engine.spec_stats().num_drafts
+    (a,), (b,) = _run(llm, [prompt], params), _run(spec_llm, [prompt], params)
+    assert b.text == a.text and b.text in ("alpha beta alpha beta", "gamma")
+    assert spec_llm.engine.spec_stats().num_drafts == before
+
+
+def test_opt_out_proposes_nothing(spec_llm, copy_prompts):
+    from tierserve.engine.core.kv_hints import KVHints
+
+    before = spec_llm.engine.spec_stats().num_drafts
+    spec_llm.generate(copy_prompts, SamplingParams(temperature=0.0, max_tokens=20),
+                      kv_hints=KVHints(speculative=False))
+    assert spec_llm.engine.spec_stats().num_drafts == before
+
+
+# ---- sampled rows: the same distribution -----------------------------------------------------
+
 LETTERS = 4
 
 

@@ -17,8 +17,9 @@ from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-QUANT_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-"""Block types whose weights --quantization gguf keeps as they are (engine/worker/quant.py)."""
+QUANT_BLOCK_TYPES = tuple(HEAD_BYTES)
+"""Block types whose weights --quantization gguf keeps as they are (engine/worker/quant.py), the
+ones gguf_blocks.py decodes."""
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -95,7 +96,7 @@ def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:
 
     shape = tuple(int(x) for x in reversed(t.shape))
     try:
-        if t.tensor_type.name in HEAD_BYTES:  # torch over the whole tensor, gguf's values
+        if t.tensor_type.name in QUANT_BLOCK_TYPES:  # torch over the whole tensor, gguf's values
             arr = dequantize(t.data, t.tensor_type.name, shape).numpy()
         else:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
