@@ -169,12 +169,11 @@ def main() -> None:
               f"{2 * params / 2**30:.2f} GiB ({path})")
         runtime = measure(None)["peak"]
         print(f"{'load':<18} {'peak GiB':>9} {'above runtime':>14} {'weights':>8} "
-              f"{'+ packed':>9} {'ratio':>6}")
+              f"{'ratio':>6}")
         print(f"{'runtime':<18} {runtime / 2**30:>9.2f}")
         for dtype in a.dtypes.split(","):
             elem = 4 if dtype == "float32" else 2
-            weights, linears = weight_bytes(config, elem)
-            expected = weights + (linears if dtype == "float32" else 0)
+            weights = weight_bytes(config, elem)[0]
             rows = [(dtype, measure(path, dtype)["peak"], 1)]
             if a.tp > 1:
                 rows += [(f"{dtype} rank {r}/{a.tp}", p, a.tp)
@@ -182,8 +181,7 @@ def main() -> None:
             for name, peak, n in rows:
                 above = peak - runtime
                 print(f"{name:<18} {peak / 2**30:>9.2f} {above / 2**30:>14.2f} "
-                      f"{weights / n / 2**30:>8.2f} {expected / n / 2**30:>9.2f} "
-                      f"{above / (expected / n):>6.2f}")
+                      f"{weights / n / 2**30:>8.2f} {above / (weights / n):>6.2f}")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,30 @@ def test_packed_linear_reads_strided_rows():
     torch.testing.assert_close(ext.packed_linear(x, ext.pack_linear_weight(w), 24), x @ w.T)
 
 
+def test_packed_linear_keeps_one_copy_and_gives_its_weight_back():
+    """Once packed for the native kernel, a linear keeps its fp32 weight only in the panels (the
+    dense tensor is emptied: no second copy in memory), reads them back exactly, and packed again
+    for oneDNN (the extension off) it has its dense weight again; under --prefill-bf16 the dense
+    weight stays (that path casts it every batch)."""
+    from tierserve.engine.worker.models.layers import Linear
+
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(50, 64, generator=g), torch.randn(50, generator=g), torch.randn(7, 64, generator=g)
+    lin = Linear(64, 50, bias=True)
+    lin.weight.data, lin.bias.data = w.clone(), b.clone()
+    lin.ops = ext
+    lin.pack(64)
+    assert lin.weight.numel() == 0 and torch.equal(lin.dense_weight(), w)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    lin.ops = None
+    lin.pack(64)
+    assert torch.equal(lin.weight, w) and lin._panels is None
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    lin.ops, lin.bf16_min_rows = ext, 8
+    lin.pack(64)
+    assert torch.equal(lin.weight, w) and lin._panels is not None
+
+
 def _greedy(engine, prompts, salt: str) -> list[list[int]]:
     """Run to completion; a cache salt of its own keeps the prefix cache from serving a prompt."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

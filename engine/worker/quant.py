@@ -555,6 +555,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
         w = getattr(m, "_quant", None) or getattr(m, "table", None)
         if isinstance(w, QuantWeight):
             tensors += w.tensors()
+        panels = getattr(m, "_panels", None)  # fp32 linears' native panels: their only copy
+        if panels is not None and not m.weight.numel():
+            tensors.append(panels)
     for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())

@@ -12,7 +12,10 @@ from torch import nn
 class Linear(nn.Module):
     """y = x W^T (+ b). On the CPU in fp32 the weight is prepacked once: into 16-column panels for
     the native kernel (kernels/csrc/gemm.cpp) when the extension is in use, else for oneDNN (what
-    torch.compile's freezing does). Both run the skinny decode GEMMs well above the default path."""
+    torch.compile's freezing does). Both run the skinny decode GEMMs well above the default path.
+    The native panels then hold the only copy (`weight` is emptied, dense_weight() unpacks them),
+    so a loaded model keeps its fp32 weights once, not twice; oneDNN's layout cannot be read
+    back, so with it (and under --prefill-bf16, which casts the dense weight) both stay."""
 
     ops = None
     """The native extension (see RMSNorm), set by the model's use_native_ops()."""
@@ -23,6 +26,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
@@ -40,10 +44,19 @@ class Linear(nn.Module):
         self.weight.data = torch.empty(0)
         self._packed = self._panels = self._panel_bias = None
 
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight, also when the native panels hold the only copy (unpacked then:
+        a fresh tensor, for reading)."""
+        if self._panels is None or self.weight.numel():
+            return self.weight
+        return unpack_panels(self._panels, self.out_features)
+
     def pack(self, batch_hint: int) -> None:
         """Prepack for whichever CPU kernel `ops` selects (one packed copy at a time)."""
-        w = self.weight.detach()
+        w = self.dense_weight().detach()
         self._packed = self._panels = self._panel_bias = None
+        if self._quant is None and not self.weight.numel():  # unpacked from the old panels
+            self.weight.data = w
         if self._quant is not None and self.ops is not None and self.bias is not None:
             # the native quantized kernels take the bias whole panels long, as fp32's
             self._panel_bias = F.pad(self.bias.detach(), (0, -self.bias.shape[0] % 16))
@@ -54,6 +67,8 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self._panel_bias = F.pad(self.bias.detach(), (0, 16 * self._panels.shape[0]
                                                               - self.bias.shape[0]))
+            if not self.bf16_min_rows:
+                self.weight.data = torch.empty(0)  # the panels are the weight now
         elif torch.backends.mkldnn.is_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
@@ -63,7 +78,7 @@ class Linear(nn.Module):
         if self._quant is not None:
             return self._quant(x, self.ops, self.bias)
         if self._panels is not None:
-            return self.ops.packed_linear(x, self._panels, self.weight.shape[0], self._panel_bias)
+            return self.ops.packed_linear(x, self._panels, self.out_features, self._panel_bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -78,16 +93,21 @@ class Linear(nn.Module):
         to bf16): for a consumer that rounds its input to bf16 anyway (the MLP's down_proj).
         Only where takes_bf16(rows)."""
         w = (self._quant.decode(self.ops, bf16=True) if self._quant is not None
-             else self.weight.to(torch.bfloat16))
+             else self.dense_weight().to(torch.bfloat16))
         return F.linear(x.to(torch.bfloat16), w)
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (+ b) with x and W rounded to bf16 (quantized weights decoded first), fp32
         accumulation and result: oneDNN runs it on AMX's bf16 tiles where the CPU has them."""
         w = (self._quant.decode(self.ops, bf16=True) if self._quant is not None
-             else self.weight.to(torch.bfloat16))
+             else self.dense_weight().to(torch.bfloat16))
         y = F.linear(x.to(torch.bfloat16), w).float()
         return y if self.bias is None else y + self.bias
+
+
+def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
+    """The native kernel's 16-column panels [P, K, 16] back to the [rows, K] weight."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:rows]
 
 
 class RMSNorm(nn.Module):
