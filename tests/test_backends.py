@@ -121,3 +121,5 @@ def test_gpu_check_dry_run(capsys):
     assert "| torch_sdpa | h9/kv3/d64/p16 | mixed | fp8_e4m3 |" in out
     assert "| tiny | greedy agreement routed vs torch_sdpa | 1 |" in out
     assert "| quantization (float32) |" in out and "\n| int4 | 110 | " in out  # issue 31's row
+    # issue 43's: a checkpoint loaded by a fresh process, its seconds and peak host memory
+    assert "| load (cpu, float32) |" in out and "| random Llama, 2 layers | " in out
