@@ -516,18 +516,21 @@ def test_one_pass_header_reads_what_the_gguf_package_reads(gguf_path, tmp_path):
 def test_block_decoder_gives_the_gguf_packages_values(kind):
     """gguf_blocks.dequantize (torch over a whole tensor) gives gguf.quants.dequantize's fp32
     bits on random blocks, scales at fp16's edges included (subnormal, the largest, zero,
-    negative, infinity); a row that is not whole blocks is refused."""
+    negative, infinity, NaNs of both signs: numpy keeps their sign, torch's Half -> float did not
+    past its last whole vector); a row that is not whole blocks is refused."""
     from tierserve.engine.worker.loaders.gguf_blocks import BLOCK_BYTES, dequantize
 
     qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(7)
-    rows, cols = 24, 96
+    rows, cols = 25, 96  # 75 blocks: NaNs also past the last whole vector of scales
     raw = rng.integers(0, 256, size=(rows, cols // 32 * BLOCK_BYTES[kind]), dtype=np.uint8)
-    edges = np.array([6e-8, 65504.0, 0.0, -1.5, -0.0, np.inf, 1e-3, 2.0], np.float16)
+    edges = np.array([6e-8, 65504.0, 0.0, -1.5, -0.0, np.inf, 1e-3, 2.0, np.nan, -np.nan, 0.5],
+                     np.float16)
     blocks = raw.reshape(rows, cols // 32, BLOCK_BYTES[kind])
     blocks[:, :, 0:2] = np.resize(edges, blocks.shape[:2]).reshape(*blocks.shape[:2], 1).view(
         np.uint8)
-    want = gguf.quants.dequantize(raw, qtype)
+    with np.errstate(invalid="ignore"):  # NaN and inf scales times zero codes
+        want = gguf.quants.dequantize(raw, qtype)
     got = dequantize(raw, kind, (rows, cols))
     assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
     assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))

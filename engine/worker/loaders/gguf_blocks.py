@@ -81,5 +81,7 @@ def _bytes(raw: np.ndarray) -> torch.Tensor:
 
 
 def _fp16(two_bytes: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 little-endian halves -> [...] fp32."""
-    return two_bytes.contiguous().view(torch.float16).squeeze(-1).float()
+    """[..., 2] uint8 little-endian halves -> [...] fp32, widened by numpy as the gguf package
+    widens them (torch's Half -> float turns a NaN past its last whole vector into 0x7fffffff)."""
+    halves = two_bytes.contiguous().numpy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(halves).squeeze(-1)

@@ -13,6 +13,8 @@ from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource,
                                              one_line)
 from tierserve.engine.worker.loaders.gguf_blocks import HEAD_BYTES, dequantize
 from tierserve.engine.worker.loaders.gguf_file import read_gguf
+from tierserve.engine.worker.loaders.gguf_kquants import (KQUANT_TYPES,
+                                                    dequantize as kquant_dequantize)
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
@@ -98,6 +100,8 @@ def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:
     try:
         if t.tensor_type.name in QUANT_BLOCK_TYPES:  # torch over the whole tensor, gguf's values
             arr = dequantize(t.data, t.tensor_type.name, shape).numpy()
+        elif t.tensor_type.name in KQUANT_TYPES:  # the same, but not kept as blocks
+            arr = kquant_dequantize(t.data, t.tensor_type.name, shape).numpy()
         else:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             arr = np.asarray(arr, dtype=np.float32).reshape(shape)
