@@ -59,7 +59,8 @@ _LAZY = {
     "EngineError": "tierserve.engine.async_engine",
     "NeverAdmissible": "tierserve.engine.async_engine",
     "GrammarBusy": "tierserve.engine.worker.grammar",
-    "ModelLoadError": "tierserve.engine.worker.loaders",
+    "ModelLoadError": "tierserve.engine.model_names",
+    "resolve_path": "tierserve.engine.model_names",
     "DeviceError": "tierserve.engine.worker.device",
     "WorkerDied": "tierserve.engine.worker.tp.protocol",
 }

