@@ -63,10 +63,12 @@ def hf_model(gguf_path):
     of the fixture's seconds on the 2-core box (it parses the file twice)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     d, f = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f),
-                                             dtype=torch.float32)
+    with no_init_weights():  # every weight is loaded below: a random init first took 3 s
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f),
+                                                 dtype=torch.float32)
     missing, unexpected = model.load_state_dict(dict(loaders.load_model_source(gguf_path).weights),
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

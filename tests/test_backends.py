@@ -42,6 +42,8 @@ BACKENDS = (["torch_sdpa", "torch_ref"] + (["cpu_native"] if HAS_NATIVE else [])
 @pytest.mark.parametrize("name", BACKENDS)
 def test_matches_torch_ref_fp32(name, shape):
     h, hkv, d, bs, seqs = shape
+    if name == "triton":  # interpreted, every program in numpy: prompts of at most 100 new
+        seqs = [(min(q, 100), c - q + min(q, 100)) for q, c in seqs]  # tokens (7 query tiles)
     inputs = make_batch(seqs, h, hkv, d, bs)
     ref = run("torch_ref", *inputs)
     assert rel_err(run(name, *inputs), ref) < 1e-5

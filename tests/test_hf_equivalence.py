@@ -34,9 +34,9 @@ def hf_outputs(hf_model, varied_prompts) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_each_prompt_alone_matches_transformers(llm, varied_prompts, hf_outputs):
-    """Nine of the prompts one at a time (1 to 1,500 tokens; the batched test takes all 16)."""
+    """Five of the prompts one at a time (1 to 1,500 tokens; the batched test takes all 16)."""
     assert max(map(len, varied_prompts)) == 1500 and min(map(len, varied_prompts)) == 1
-    alone = list(range(0, 15, 2)) + [15]
+    alone = [0, 4, 8, 12, 15]
     for i in alone:
         got = llm.generate([varied_prompts[i]], GREEDY)[0].outputs[0].token_ids
         assert got == hf_outputs[i], f"prompt of {len(varied_prompts[i])} tokens diverges"

@@ -94,11 +94,11 @@ def test_topk_covering_every_block_is_dense_decode(kv_dtype, tile):
     bs, lens = 16, [1, 16, 17, 100, 160, 200]
     q, kv, summary, tables, ctx = _batch(lens, (9, 3, 64), bs, kv_dtype, seed=3)
     blocks = -(-max(lens) // bs)
+    splits = -(-max(lens) // 64)
+    dense = tk.paged_decode(q, kv, tables, ctx, bs, 64, splits, 3, 0.125, 1.0, tile)
     for topk in ([blocks] * len(lens), [blocks + 5] * len(lens), [0] * len(lens)):
         stats = torch.zeros(2, dtype=torch.float64)
         out, selected = _run(q, kv, summary, tables, ctx, bs, topk, stats=stats, tile=tile)
-        splits = -(-max(lens) // 64)
-        dense = tk.paged_decode(q, kv, tables, ctx, bs, 64, splits, 3, 0.125, 1.0, tile)
         assert torch.equal(out, dense.view(len(lens), -1))
         if topk[0]:
             for b, n in enumerate(lens):
