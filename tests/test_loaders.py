@@ -350,11 +350,34 @@ def test_gguf_without_model_metadata(tmp_path):
 
 
 def test_gguf_tensor_type_gguf_cannot_dequantize(embedded, tmp_path):
+    """Refused at load, also where tensors are read only when the model copies them in (the
+    daemon's way: the suite's cache decodes every tensor at load)."""
+    from tierserve.engine.worker.loaders.gguf_loader import load_gguf
+
     model = _hf_model(transformers.LlamaConfig, seed=1, tie_word_embeddings=False)
     path = tmp_path / "q81.gguf"
     _write_llama_gguf(model, path, embedded.path, q8_1="model.layers.0.mlp.down_proj.weight")
     msg = _load_error(str(path))
     assert "Q8_1" in msg and "blk.0.ffn_down.weight" in msg
+    with pytest.raises(ModelLoadError, match="Q8_1"):
+        load_gguf(str(path), lazy=True)
+
+
+def test_gguf_read_when_asked_gives_the_same_tensors(embedded):
+    """The daemon's GGUF weights decode each tensor when it is read (nothing kept: two reads are
+    two tensors), the same names, shapes and values as the load that decodes all at once."""
+    from tierserve.engine.worker.loaders.gguf_loader import load_gguf
+    from tierserve.engine.worker.loaders.lazy import LazyWeights
+
+    lazy = load_gguf(embedded.path, lazy=True)
+    assert isinstance(lazy.weights, LazyWeights) and set(lazy.weights) == set(embedded.weights)
+    assert lazy.config == embedded.config and set(lazy.blocks) == set(embedded.blocks)
+    for name in list(embedded.weights)[::7]:
+        got = lazy.weights[name]
+        assert lazy.weights.shape(name) == tuple(got.shape)
+        assert torch.equal(got, embedded.weights[name]), name
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert lazy.weights[name].data_ptr() != lazy.weights[name].data_ptr()
 
 
 @pytest.fixture()

@@ -43,6 +43,6 @@ def load_model_source(name: str) -> ModelSource:
         st = os.stat(path)
         key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
         if _last_gguf is None or _last_gguf[0] != key:
-            _last_gguf = (key, load_gguf(path))
+            _last_gguf = (key, load_gguf(path, lazy=False))
         return dataclasses.replace(_last_gguf[1], weights=dict(_last_gguf[1].weights))
     raise ModelLoadError(f"model {name!r}: expected a .gguf file or a directory with config.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from tierserve.engine.worker.loaders.gguf_blocks import HEAD_BYTES, dequantize
 from tierserve.engine.worker.loaders.gguf_file import read_gguf
 from tierserve.engine.worker.loaders.gguf_kquants import (KQUANT_TYPES,
                                                     dequantize as kquant_dequantize)
+from tierserve.engine.worker.loaders.lazy import Entry, LazyWeights, cut_tensor
 from tierserve.engine.worker.loaders.validate import check_weights
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
@@ -50,7 +52,16 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str) -> ModelSource:
+LAZY_TYPES = ("F32", "F16", "BF16", *QUANT_BLOCK_TYPES, *KQUANT_TYPES)
+"""Types read (and decoded) only when the model copies the tensor in; any other type is decoded
+at load, so a type nothing here can decode is refused before the model is built."""
+
+
+def load_gguf(path: str, lazy: bool = True) -> ModelSource:
+    """The file's config, tokenizer and weights. `lazy`: each tensor is decoded from the memory
+    map when the model reads it and kept by nobody (the host then holds one fp32 tensor beside
+    the model, not a second fp32 copy of every weight); else all are decoded now into a dict
+    (loaders.KEEP_LAST_GGUF's cache shares that between the test suite's engines)."""
     try:
         reader = read_gguf(path)
     except Exception as e:  # ValueError/struct errors on truncated files
@@ -62,14 +73,21 @@ def load_gguf(path: str) -> ModelSource:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     config = _config(path, fields, arch)
-    weights, blocks = {}, {}
+    entries, blocks = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is not None:
-            weights[name] = _tensor(path, t, name, config)
-            if t.tensor_type.name in QUANT_BLOCK_TYPES and name.endswith(".weight"):
-                blocks[name] = QuantBlocks(t.data, t.tensor_type.name, tuple(weights[name].shape),
-                                           _rope_heads(name, config))
+        if name is None:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if lazy and t.tensor_type.name in LAZY_TYPES:
+            entries[name] = Entry(shape, partial(_read_tensor, path, t, name, config))
+        else:
+            entries[name] = _tensor(path, t, name, config)
+        if t.tensor_type.name in QUANT_BLOCK_TYPES and name.endswith(".weight"):
+            blocks[name] = QuantBlocks(t.data, t.tensor_type.name, shape,
+                                       _rope_heads(name, config))
+    weights = LazyWeights({n: e if isinstance(e, Entry) else _held(e)
+                           for n, e in entries.items()}) if lazy else entries
     config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in weights)
     check_weights(path, config, weights)
     return ModelSource(config, weights, _tokenizer(path, fields), file_digest([path]), path,
@@ -91,6 +109,17 @@ def _check_size(path: str, reader) -> None:
     size = os.path.getsize(path)
     if end > size:
         raise ModelLoadError(f"{path}: truncated GGUF file ({size} bytes, its tensors need {end})")
+
+
+def _held(t: torch.Tensor) -> Entry:
+    """A tensor decoded at load, behind a LazyWeights entry."""
+    return Entry(tuple(t.shape), partial(cut_tensor, t))
+
+
+def _read_tensor(path: str, t, name: str, config: ModelConfig, index) -> torch.Tensor:
+    """A LazyWeights entry's read: the tensor decoded now (a tensor parallel rank's part cut
+    from it)."""
+    return cut_tensor(_tensor(path, t, name, config), index)
 
 
 def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:

@@ -37,7 +37,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         """Tensors already in memory (a GGUF's dequantized ones), behind the same interface."""
         if isinstance(tensors, LazyWeights):
             return tensors
-        return cls({n: Entry(tuple(t.shape), partial(_cut, t)) for n, t in tensors.items()})
+        return cls({n: Entry(tuple(t.shape), partial(cut_tensor, t)) for n, t in tensors.items()})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._entries[name].read(())
@@ -62,7 +62,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return Entry(((rows,) + shape[1:]) if rows is not None else shape, read)
 
 
-def _cut(t: torch.Tensor, index: Index) -> torch.Tensor:
+def cut_tensor(t: torch.Tensor, index: Index) -> torch.Tensor:
     return t[index].contiguous() if index else t
 
 
