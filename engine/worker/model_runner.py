@@ -23,7 +23,7 @@ from tierserve.engine.worker.cuda_graphs import RESERVED_BLOCKS, DecodeGraphs, w
 from tierserve.engine.worker.kv_blocks import gather_blocks, write_blocks
 from tierserve.engine.worker.models import model_class
 from tierserve.engine.worker.models.llama import ParallelContext
-from tierserve.engine.worker.quant import quantize_model, weight_bytes
+from tierserve.engine.worker.quant import quantize_model, taken_from_blocks, weight_bytes
 from tierserve.engine.core.request import Request, RequestId
 from tierserve.engine.outputs import TopLogprobs
 from tierserve.engine.worker.sampler import SampleRow, Sampler, gather_logprobs
@@ -159,8 +159,9 @@ class ModelRunner:
     def _build_model(self, weights: Mapping[str, torch.Tensor], blocks: dict) -> torch.nn.Module:
         """Parameters are created empty where they run, in the serving dtype, and each checkpoint
         tensor is copied straight in (a safetensors tensor read from its file then): the host
-        holds one checkpoint tensor at a time beside the weights. Quantization still starts from
-        fp32 weights on the host (engine/worker/quant.py packs those), then moves the rest."""
+        holds one checkpoint tensor at a time beside the weights. Quantization starts from fp32
+        weights on the host (engine/worker/quant.py packs those), except for what gguf mode takes
+        from the file's own blocks (never read in fp32: taken_from_blocks), then moves the rest."""
         quantized = self.config.quantization != "none"
         with torch.device("meta"):
             model = model_class(self.model_cfg.architecture)(self.model_cfg, self.max_model_len,
@@ -170,7 +171,7 @@ class ModelRunner:
         model.stack_decode_min_batch = self.config.stack_decode_min_batch
         if self.config.prefill_bf16:
             model.use_bf16_prefill(PREFILL_BF16_MIN_ROWS)
-        model.load_weights(weights)
+        model.load_weights(weights, taken_from_blocks(self.config.quantization, model, blocks))
         if self.config.quantization != "none":
             self.quant_kinds = quantize_model(model, self.config.quantization, blocks,
                                               native=self.native is not None,

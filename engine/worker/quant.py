@@ -482,6 +482,18 @@ class QuantEmbedding(torch.nn.Module):
         return self.table.rows(ids).to(self.dtype)
 
 
+def taken_from_blocks(mode: str, model: torch.nn.Module, blocks: dict) -> frozenset[str]:
+    """The checkpoint tensors quantize_model takes from the file's own blocks (gguf mode: every
+    decoder linear's, and the embedding's and LM head's where they are Q8_0): the model need not
+    load them in fp32 first."""
+    if mode != "gguf":
+        return frozenset()
+    names = {n for _, ns in model.linear_sources() for n in ns}
+    names |= {n for n in ("model.embed_tokens.weight", "lm_head.weight")
+              if n in blocks and blocks[n].kind == "Q8_0"}
+    return frozenset(n for n in names if n in blocks)
+
+
 def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
                    native: bool = False, device=None,
                    dtype: torch.dtype = torch.float32) -> dict[str, str]:

@@ -167,27 +167,29 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens(input_ids)
         return self.tp.embed(input_ids, self.embed_tokens)
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor],
+                     skip: frozenset[str] = frozenset()) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up: each tensor is read once (a
         LazyWeights reads it from the file then) and copied straight into its parameter, on the
-        parameter's device and in its dtype."""
+        parameter's device and in its dtype. A parameter whose tensors are all in `skip` is left
+        as it is (never read: quantization takes those from the file's blocks)."""
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            _fill(attn.qkv_proj.weight, weights, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            _fill(attn.qkv_proj.weight, weights, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], skip)
             if attn.qkv_proj.bias is not None:
                 _fill(attn.qkv_proj.bias, weights, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-            _fill(attn.o_proj.weight, weights, [p + "self_attn.o_proj.weight"])
+            _fill(attn.o_proj.weight, weights, [p + "self_attn.o_proj.weight"], skip)
             if attn.q_norm is not None:
                 _fill(attn.q_norm.weight, weights, [p + "self_attn.q_norm.weight"])
                 _fill(attn.k_norm.weight, weights, [p + "self_attn.k_norm.weight"])
             _fill(layer.mlp.gate_up_proj.weight, weights,
-                  [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            _fill(layer.mlp.down_proj.weight, weights, [p + "mlp.down_proj.weight"])
+                  [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], skip)
+            _fill(layer.mlp.down_proj.weight, weights, [p + "mlp.down_proj.weight"], skip)
             _fill(layer.input_layernorm.weight, weights, [p + "input_layernorm.weight"])
             _fill(layer.post_attention_layernorm.weight, weights,
                   [p + "post_attention_layernorm.weight"])
-        _fill(self.embed_tokens.weight, weights, ["model.embed_tokens.weight"])
+        _fill(self.embed_tokens.weight, weights, ["model.embed_tokens.weight"], skip)
         _fill(self.norm.weight, weights, ["model.norm.weight"])
         if "rope_freqs.weight" in weights:  # Llama 3.1 GGUFs carry the scaled frequencies' divisors
             rope = self.layers[0].self_attn.rope
@@ -195,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                        / weights["rope_freqs.weight"], rope.cos.shape[0])
         tied = self.config.tie_word_embeddings or "lm_head.weight" not in weights
         _fill(self.lm_head.weight, weights,
-              ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+              ["model.embed_tokens.weight" if tied else "lm_head.weight"], skip)
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:
         """Each linear layer with the checkpoint tensors it fuses (quantization packs those)."""
@@ -284,9 +286,12 @@ class LlamaForCausalLM(nn.Module):
                                               sp.selected, sp.stats, **quant)
 
 
-def _fill(dst: torch.Tensor, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
+def _fill(dst: torch.Tensor, weights: Mapping[str, torch.Tensor], names: list[str],
+          skip: frozenset[str] = frozenset()) -> None:
     """Copy the named tensors into consecutive rows of `dst` (converting device and dtype as
-    copy_ does), reading each once; no fused host copy is made."""
+    copy_ does), reading each once; no fused host copy is made. Nothing if all are in `skip`."""
+    if all(n in skip for n in names):
+        return
     at = 0
     with torch.no_grad():
         for name in names:
