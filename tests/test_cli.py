@@ -81,6 +81,14 @@ def test_bad_model_is_one_line_error(tmp_path):
 # ---- start-up errors: one line, in seconds, before the model loads ----------------------------
 
 
+def test_a_missing_model_is_refused_before_torch_loads():
+    """serve's first check after the settings and the port: a model that is neither a file, a
+    folder nor an alias is one line within a second or so (nothing imported torch yet)."""
+    line = refused("serve", "/no/such/model.gguf", "--log-level", "warning")
+    assert line == ("tierserve: error: model '/no/such/model.gguf' not found: not a file, a "
+                    "directory or one of ['smollm2-135m']")
+
+
 def test_busy_port_is_refused_before_the_model_loads():
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
