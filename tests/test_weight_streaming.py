@@ -133,15 +133,21 @@ def half_billion(tmp_path_factory) -> tuple[str, dict]:
     return path, load_memory.write_checkpoint(path, layers=28)
 
 
+@pytest.fixture(scope="module")
+def runtime_peak() -> int:
+    """The peak of a process that imports torch and the engine and builds nothing."""
+    return load_memory.measure(None)["peak"]
+
+
 @pytest.mark.slow
-def test_peak_memory_of_a_half_billion_load(half_billion):
+def test_peak_memory_of_a_half_billion_load(half_billion, runtime_peak):
     """~506M bf16 parameters loaded on the CPU, each in a fresh process: the peak resident set
     above a process that imports the engine and builds nothing is at most the weights in the
     serving dtype + 25% (in float32 the native kernels' panels replace each linear weight: no
     second copy). Before streaming: 5.58 GiB in float32 and 3.86 GiB in bf16 above the runtime;
     the float32 weights are 1.88 GiB (docs/BENCHMARKS.md)."""
     path, config = half_billion
-    runtime = load_memory.measure(None)["peak"]
+    runtime = runtime_peak
     for dtype, elem in (("float32", 4), ("bfloat16", 2)):
         weights = load_memory.weight_bytes(config, elem)[0]
         peak = load_memory.measure(path, dtype)["peak"]
@@ -149,12 +155,12 @@ def test_peak_memory_of_a_half_billion_load(half_billion):
             {"dtype": dtype, "peak": peak, "runtime": runtime, "weights": weights})
 
 
-def test_a_gguf_served_at_its_own_blocks_is_never_widened_to_fp32():
+def test_a_gguf_served_at_its_own_blocks_is_never_widened_to_fp32(runtime_peak):
     """The embedded GGUF under `auto` (= gguf): each tensor is decoded only when the model reads
     it, and the linears, the embedding and the tied head, which the kernels take from the file's
     own blocks, are never read in fp32. Peak above the runtime measured on the 2-core box: 1.59 GiB
     when the loader decoded every tensor into an fp32 dict and the model was built in fp32 first,
     0.43 GiB now; one fp32 copy of the linears (0.5 GiB) would break the bound."""
-    runtime = load_memory.measure(None)["peak"]
+    runtime = runtime_peak
     peak = load_memory.measure("smollm2-135m", "float32")["peak"]
     assert peak - runtime <= 0.6 * 2**30, f"{(peak - runtime) / 2**30:.2f} GiB above the runtime"
