@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierserve.engine.worker.loaders.gguf_blocks import _bytes
+from tierserve.engine.worker.loaders.gguf_blocks import _bytes, _fp16
 
 QK_K = 256
 """Weights per super-block of the K-quant types."""
@@ -47,11 +47,10 @@ def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tens
 
 
 def _half(two_bytes: torch.Tensor) -> torch.Tensor:
-    """[blocks, 2] uint8 little-endian halves -> [blocks, 1] fp32, widened by numpy as the gguf
-    package widens them. Not gguf_blocks._fp16: torch's Half -> float turns a NaN into 0x7fffffff
-    in the elements past its last whole vector (a tensor of 9 gets 8 right, not the 9th), where
-    numpy keeps the NaN's sign and payload, which the products below carry to the weights."""
-    return torch.from_numpy(two_bytes.contiguous().numpy().view(np.float16).astype(np.float32))
+    """[blocks, 2] uint8 little-endian halves -> [blocks, 1] fp32, widened as the gguf package
+    widens them (gguf_blocks._fp16: numpy keeps a NaN's sign and payload, which the products
+    below carry to the weights)."""
+    return _fp16(two_bytes).unsqueeze(-1)
 
 
 def _bits(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
