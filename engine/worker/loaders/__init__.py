@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
 
 from tierserve.engine.worker.loaders.source import (ModelLoadError, ModelSource, QuantBlocks,
                                                     file_digest, one_line)

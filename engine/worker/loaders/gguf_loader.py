@@ -73,21 +73,23 @@ def load_gguf(path: str, lazy: bool = True) -> ModelSource:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     config = _config(path, fields, arch)
-    entries, blocks = {}, {}
+    weights, blocks = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
         shape = tuple(int(x) for x in reversed(t.shape))
-        if lazy and t.tensor_type.name in LAZY_TYPES:
-            entries[name] = Entry(shape, partial(_read_tensor, path, t, name, config))
-        else:
-            entries[name] = _tensor(path, t, name, config)
+        if not lazy:
+            weights[name] = _tensor(path, t, name, config)
+        elif t.tensor_type.name in LAZY_TYPES:
+            weights[name] = Entry(shape, partial(_read_tensor, path, t, name, config))
+        else:  # decoded now: a type nothing here decodes is refused before the model is built
+            weights[name] = _held(_tensor(path, t, name, config))
         if t.tensor_type.name in QUANT_BLOCK_TYPES and name.endswith(".weight"):
             blocks[name] = QuantBlocks(t.data, t.tensor_type.name, shape,
                                        _rope_heads(name, config))
-    weights = LazyWeights({n: e if isinstance(e, Entry) else _held(e)
-                           for n, e in entries.items()}) if lazy else entries
+    if lazy:
+        weights = LazyWeights(weights)
     config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in weights)
     check_weights(path, config, weights)
     return ModelSource(config, weights, _tokenizer(path, fields), file_digest([path]), path,
