@@ -54,20 +54,38 @@ def varied_prompts(corpus_ids) -> list[list[int]]:
     return [corpus_ids[37 * i: 37 * i + n] for i, n in enumerate(PROMPT_LENS)]
 
 
+def hf_config(fields: dict):
+    """transformers' LlamaConfig for a llama GGUF's metadata, through transformers' GGUF key table
+    (what `AutoConfig.from_pretrained(dir, gguf_file=...)` applies after its slower parse)."""
+    from transformers import LlamaConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = fields["general.architecture"]
+    kw = {hf: fields[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items()
+          if hf and f"{arch}.{key}" in fields}
+    kw.setdefault("vocab_size", len(fields["tokenizer.ggml.tokens"]))
+    return LlamaConfig(**kw, bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+                       eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+                       pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+                       tie_word_embeddings=True)
+
+
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    """Hugging Face transformers' Llama in fp32: its config read from the GGUF by transformers,
-    its weights the fp32 tensors our loader decoded from the same file. Those are gguf's own
-    dequantized values in transformers' q/k row order (tests/test_loaders.py checks both against
-    the gguf package and transformers' GGUF loader); transformers' own GGUF weight loader took 30
-    of the fixture's seconds on the 2-core box (it parses the file twice)."""
+    """Hugging Face transformers' Llama in fp32: its config mapped from the GGUF's metadata by
+    transformers' own GGUF key table, its weights the fp32 tensors our loader decoded from the
+    same file. Those are gguf's own dequantized values in transformers' q/k row order
+    (tests/test_loaders.py checks both, and this config, against the gguf package and
+    transformers' GGUF loader). transformers' GGUF loader parses the file with the gguf package's
+    reader: 30 s for the weights and 8 s for the config alone on the 2-core box."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from tierserve.engine.worker.loaders.gguf_file import read_gguf
     from transformers.initialization import no_init_weights
 
-    d, f = os.path.split(gguf_path)
     with no_init_weights():  # every weight is loaded below: a random init first took 3 s
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f),
+        model = AutoModelForCausalLM.from_config(hf_config(read_gguf(gguf_path).fields),
                                                  dtype=torch.float32)
     missing, unexpected = model.load_state_dict(dict(loaders.load_model_source(gguf_path).weights),
                                                 strict=False)

@@ -361,7 +361,9 @@ def test_embedded_model_as_its_own_draft_accepts_everything(mixed):
     draft = LLM(speculative_config={"method": "draft_model", "model": "smollm2-135m",
                                     "num_speculative_tokens": 3, "compute_bound_batch": 0},
                 **ENGINE)
-    prompts, params, want = mixed  # 32 mixed-length requests served together
+    # the first 16 of the mixed requests (prompts of 5 to 140 tokens) served together: the draft
+    # prefills every prompt too, and all 32 took 18 s of prefill on 2 cores for the same check
+    prompts, params, want = (part[:16] for part in mixed)
     assert [o.token_ids for o in _run(draft, prompts, params)] == want
     s = draft.engine.spec_stats()
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens >= 0.97 * s.num_draft_tokens, s

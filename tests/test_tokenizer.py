@@ -62,10 +62,45 @@ def ours() -> TextTokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf():
-    path = load_model_source("smollm2-135m").path
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                      gguf_file=os.path.basename(path))
+def hf_parse():
+    """transformers' tokenizer from the GGUF, and the configs its GGUF parser gave on the way
+    (recorded, not replaced: the slow parse is paid once here and checked below)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    path, seen, parse = load_model_source("smollm2-135m").path, [], gguf_utils.load_gguf_checkpoint
+
+    def recorded(*args, **kwargs):
+        out = parse(*args, **kwargs)
+        seen.append(out["config"])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", recorded)
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                         gguf_file=os.path.basename(path))
+    return tok, seen, path
+
+
+@pytest.fixture(scope="module")
+def hf(hf_parse):
+    return hf_parse[0]
+
+
+def test_the_reference_models_config_is_transformers_own(hf_parse):
+    """conftest's hf_config (transformers' GGUF key table applied to read_gguf's fields, 8 s
+    faster) gives the config transformers' own GGUF parser gives."""
+    from conftest import hf_config
+
+    from tierserve.engine.worker.loaders.gguf_file import read_gguf
+
+    _, seen, path = hf_parse
+    assert seen, "transformers no longer parses the GGUF through load_gguf_checkpoint"
+    theirs = transformers.AutoConfig.for_model(**seen[0]).to_dict()
+    mine = hf_config(read_gguf(path).fields).to_dict()
+    names = {"_name_or_path", "_model_name_or_path", "unk_token_id", "transformers_version"}
+    assert {k: v for k, v in theirs.items() if k not in names} == \
+        {k: v for k, v in mine.items() if k not in names}
+    assert mine["rope_theta" if "rope_theta" in mine else "rope_parameters"] is not None
 
 
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
