@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.tables import markdown_table, write_json  # noqa: E402
+from bench.tables import cpu_line, markdown_table, write_json  # noqa: E402
 from tierserve.engine import LLM, SamplingParams  # noqa: E402
 from tierserve.engine.eval.quant import agreement, perplexity_change, score  # noqa: E402
 
@@ -48,7 +48,7 @@ def batch_tok_s(llm: LLM, streams: int, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--modes", default="none,gguf,int8,int4")
+    ap.add_argument("--modes", default="none,gguf-exact,gguf,int8,int4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--streams", type=int, default=32)
@@ -85,6 +85,7 @@ def main() -> None:
                      f"{ms:.1f}", f"{1e3 / ms:.1f}", f"{statistics.median(single[ref]) / ms:.2f}x",
                      f"{tps:.0f}", f"{tps / statistics.median(batch[ref]):.2f}x"])
     print("\n    " + " ".join(["python bench/quant.py"] + sys.argv[1:]) + "\n")
+    print(cpu_line() + "\n")
     print(markdown_table(["mode", "weights MiB", f"top-1 vs {ref}", "perplexity", "ppl change",
                           "1 stream ms/token", "tok/s", "speed-up",
                           f"{args.streams} streams tok/s", "speed-up"],

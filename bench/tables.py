@@ -69,5 +69,23 @@ def cpu_name() -> str:
         return "unknown CPU"
 
 
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "amx_int8", "amx_bf16")
+"""The flags the CPU kernels' choices depend on (issue 44: say which box gave a figure)."""
+
+
+def cpu_line() -> str:
+    """'CPU: <model name>, <cores> cores; flags: avx2 fma ...' (those of CPU_FLAGS it has)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")),
+                             "").split())
+    except OSError:
+        pass
+    have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+    return f"CPU: {cpu_name()}, {os.cpu_count()} cores; flags: {have}"
+
+
 def _make_parent(path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from tierserve.engine.config import EngineConfig, ModelConfig, SparseConfig
+from tierserve.engine.config import GGUF_MODES, EngineConfig, ModelConfig, SparseConfig
 from tierserve.engine.core.block_hash import fingerprint
 from tierserve.engine.core.block_pool import BlockPool
 from tierserve.engine.core.kv_connector import KVConnectorScheduler, NoKVConnector
@@ -260,7 +260,7 @@ def _speculator(config: EngineConfig, spec: SpeculativeConfig, draft: ModelSourc
                 device: DeviceChoice, pool: BlockPool, num_blocks: int,
                 max_model_len: int) -> Speculator:
     def draft_proposer() -> DraftModelProposer:
-        mode = "auto" if config.quantization in ("auto", "gguf") else config.quantization
+        mode = "auto" if config.quantization in ("auto", *GGUF_MODES) else config.quantization
         native = device.type == "cpu" and fused_ops() is not None
         cfg = dataclasses.replace(
             config, model=spec.model, speculative_config=None, kv_tiers=None,

@@ -163,8 +163,11 @@ class SparseConfig:
             raise ValueError("sparse min_context and dense_layers must be >= 0")
 
 
-QUANTIZATIONS = ("none", "auto", "gguf", "int8", "int4")
+QUANTIZATIONS = ("none", "auto", "gguf", "gguf-exact", "int8", "int4")
 """The --quantization modes (engine/worker/quant.py)."""
+
+GGUF_MODES = ("gguf", "gguf-exact")
+"""The modes that keep a GGUF's own blocks (gguf: int8 activations on the Q4 blocks)."""
 
 
 @dataclass(frozen=True)
@@ -197,10 +200,11 @@ class EngineConfig:
     """Torch intra-op threads; None uses the cores available to this process."""
     quantization: str = "auto"
     """Weight-only quantization (vLLM's flag): none (the serving dtype; a GGUF's blocks
-    dequantized), gguf (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are), int8 or int4
-    (groups of 32) from any weights; auto (the default): gguf for a Q4 GGUF on the CPU in
-    float32 where the native kernels are built (the fp32 path's outputs from a fifth of the
-    bytes), else none. CPU only so far (engine/worker/quant.py)."""
+    dequantized), gguf-exact (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are: the fp32
+    path's outputs), gguf (the same blocks; activations rounded to int8 per block of 32 for
+    integer dot products), int8 or int4 (groups of 32) from any weights; auto (the default):
+    gguf-exact for a Q4 GGUF on the CPU in float32 where the native kernels are built (the fp32
+    path's outputs from a fifth of the bytes), else none (engine/worker/quant.py)."""
     prefill_bf16: bool = False
     """Prefill batches (64 tokens or more) multiply the decoder's linear layers in bf16 through
     oneDNN, which runs them on AMX's bf16 tiles (CPUs with amx_bf16 only; quantized weights are

@@ -18,10 +18,11 @@ from tierserve.engine.worker.loaders.gguf_file import read_gguf
 from tierserve.engine.worker.quant import resolve_quantization
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.engine.worker.loaders.gguf_loader import unpermute_rope
-from tierserve.engine.worker.quant import (GROUP, Int4Groups, Int4Weight, Int8Groups,
-                                           Int8GroupWeight, QuantizationError, blocks_to_groups,
-                                           gguf_covers, gguf_weight, quantize_int4,
-                                           quantize_int8_groups)
+from tierserve.engine.worker.quant import (GROUP, Int4DotWeight, Int4Groups, Int4Weight,
+                                           Int8Groups, Int8GroupWeight, QuantizationError,
+                                           blocks_to_groups, gguf_covers, gguf_weight,
+                                           pack_q4_dot, quantize_int4, quantize_int8_groups,
+                                           unpack_q4_dot)
 from tierserve.engine.eval.quant import agreement, perplexity_change, score
 from tierserve.kernels.native import cpu_has
 
@@ -150,7 +151,7 @@ def test_gguf_serves_the_fp32_paths_bits_in_one_call_and_layer_by_layer(
         llm, gguf_llm, varied_prompts, monkeypatch, threads):
     """The native kernels decode the file's blocks to the fp32 path's weights and multiply in its
     order, inside the one-call decode stack (decode_forward.cpp takes the codes) and layer by
-    layer: greedy tokens and logprobs of --quantization gguf equal none's on the same GGUF, to
+    layer: greedy tokens and logprobs of --quantization gguf-exact equal none's on the same GGUF, to
     the bit, for contexts of 1 to 1,500 tokens, from a fifth of the weight bytes."""
     from test_native_ops import _CountingOps, _greedy_logprobs
 
@@ -177,9 +178,61 @@ def test_gguf_serves_the_fp32_paths_bits_in_one_call_and_layer_by_layer(
     assert gguf_llm.engine.executor.facts().weight_bytes * 5 <= llm.engine.executor.facts().weight_bytes
 
 
+def test_q4_dot_layout_round_trips_and_puts_each_code_where_the_kernel_reads_it():
+    """pack_q4_dot (q4i8_linear's layout, kernels/csrc/q4_int8.cpp) keeps every code and fp16
+    scale; one code checked at the byte the kernel's 32-byte loads take it from."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 40, 96  # rows past a whole group of 16: padding
+    g = Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32),
+                   torch.rand(n, k // GROUP, generator=gen).half().float(),
+                   -torch.rand(n, k // GROUP, generator=gen).half().float())
+    packed = pack_q4_dot(g)
+    assert packed.shape == (3, 3 * 320) and packed.dtype == torch.uint8
+    back = unpack_q4_dot(packed, n)
+    assert all(torch.equal(a, b) for a, b in zip(dataclasses.astuple(back), dataclasses.astuple(g)))
+    # row 25 = group 1, half 1, row 1 of its 8; k = 32 + 20: block 1, high nibble, v = 1, t = 0
+    unit = packed[1, 320:640]
+    assert int(unit[160 + 32 + 32 * 1 + 4 * 1 + 0]) >> 4 == int(g.codes[25, 52])
+    assert unit[160:176].view(torch.float16)[1].item() == g.scale[25, 1].item()
+    assert unit[176:192].view(torch.float16)[1].item() == g.offset[25, 1].item()
+
+
+def test_q4_dot_packing_is_the_kernels(source):
+    """The Python packing the engine loads with and the extension's own q4i8_pack agree."""
+    from tierserve.kernels.native import load_extension
+
+    ops = load_extension()
+    if ops is None:
+        pytest.skip("no native extension")
+    g = blocks_to_groups(source.blocks["model.layers.2.mlp.down_proj.weight"])
+    assert torch.equal(pack_q4_dot(g), ops.q4i8_pack(g.codes.to(torch.uint8), g.scale, g.offset))
+
+
+def test_gguf_int8_activations_in_one_call_equal_layer_by_layer(varied_prompts, monkeypatch):
+    """--quantization gguf (int8 activations on the Q4 blocks): the one-call decode stack and the
+    layer-by-layer path give the same tokens and logprobs to the bit (the same kernel, and a
+    row's result does not depend on the batch), for contexts of 1 to 1,500 tokens."""
+    from test_native_ops import _CountingOps, _greedy_logprobs
+
+    llm = LLM(quantization="gguf", kv_cache_memory_bytes=1 << 28)
+    model = llm.engine.executor.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj._quant, Int4DotWeight)
+    assert "q4i8_linear" in llm.engine.info.quant_kernels["Int4DotWeight"]
+    counting = _CountingOps(model.ops)
+    monkeypatch.setattr(model, "ops", counting)
+    prompts = [varied_prompts[i] for i in (0, 7, 15)]  # 1, 128 and 1,500 tokens
+    monkeypatch.setattr(model, "stack_decode_min_batch", 1)
+    one_call = _greedy_logprobs(llm.engine, prompts, "dot")
+    assert counting.calls >= 8
+    monkeypatch.setattr(model, "stack_decode_min_batch", 0)
+    calls = counting.calls
+    assert _greedy_logprobs(llm.engine, prompts, "dot", "layers") == one_call
+    assert counting.calls == calls
+
+
 @pytest.fixture(scope="module")
 def gguf_llm() -> LLM:
-    return LLM(quantization="gguf", kv_cache_memory_bytes=1 << 28)
+    return LLM(quantization="gguf-exact", kv_cache_memory_bytes=1 << 28)
 
 
 def test_refusals_name_the_tensor_and_the_mode(source):
@@ -192,7 +245,7 @@ def test_refusals_name_the_tensor_and_the_mode(source):
     assert resolve_quantization("int8", "cuda", "bfloat16", True, capability=(9, 0)) == "int8"
     with pytest.raises(QuantizationError, match="int2"):
         resolve_quantization("int2", "cpu", "float32", True)
-    assert resolve_quantization("auto", "cpu", "float32", True) == "gguf"
+    assert resolve_quantization("auto", "cpu", "float32", True) == "gguf-exact"
     assert resolve_quantization("auto", "cpu", "float32", True, native=False) == "none"
     # auto keeps a GGUF's blocks only where every decoder linear has them, one type per fused layer
     assert gguf_covers(source.weights, source.blocks)
@@ -217,11 +270,12 @@ def quality():
     return out
 
 
-@pytest.mark.parametrize("mode,min_agree,max_ppl", [("gguf", 0.98, 0.01), ("int8", 0.98, 0.01),
+@pytest.mark.parametrize("mode,min_agree,max_ppl", [("gguf", 0.95, 0.01), ("int8", 0.98, 0.01),
                                                     ("int4", 0.92, 0.05)])
 def test_quality_against_fp32(quality, mode, min_agree, max_ppl):
-    """Top-1 agreement and perplexity against the dequantized fp32 path: issue 31's bounds
-    (docs/BENCHMARKS.md has the measured values)."""
+    """Top-1 agreement and perplexity against the dequantized fp32 path: issue 31's bounds, issue
+    44's for gguf's int8 activations (gguf-exact gives the fp32 path's bits: the test above;
+    docs/BENCHMARKS.md has the measured values)."""
     ref, test = quality["none"][0], quality[mode][0]
     assert len(test.top1) == 1788
     assert agreement(test, ref) >= min_agree
@@ -232,7 +286,7 @@ def test_gguf_weights_take_a_fifth_of_fp32(quality):
     assert quality["gguf"][1] * 5 <= quality["none"][1]
     info = quality["gguf"][2]
     assert info.quantization == "gguf" and info.weight_bytes == quality["gguf"][1]
-    assert "int4" in next(iter(info.quant_kernels.values()))
+    assert "q4i8_linear" in next(iter(info.quant_kernels.values()))
 
 
 def test_bf16_prefill_on_amx_keeps_quality_and_is_refused_elsewhere(quality):

@@ -105,7 +105,7 @@ def test_tp3_embedded_model_equals_tp1(llm, three, varied_prompts):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert _tokens(three, prompts, params) == _tokens(llm, prompts, params)
     info = three.engine.info
-    assert info.quantization == "gguf" and info.weight_bytes < 130 << 20, info
+    assert info.quantization == "gguf-exact" and info.weight_bytes < 130 << 20, info
 
 
 def test_prefix_cache_and_disk_tier_round_trip_under_tp2(tiny_llama, corpus_ids, tmp_path):

@@ -1,10 +1,16 @@
 """Weight-only quantized linears (issue 31).
 
-    mode   weights kept                                   kernel (CPU)
-    none   the serving dtype (GGUF blocks dequantized)    the fp32 path (native panels)
-    gguf   the file's Q4_0 / Q4_1 / Q8_0 blocks, as       the native q4_linear / q8_linear, or
-           they are: w = q d + m (Q4_1), (q - 8) d        torch's _weight_int4pack_mm_for_cpu
-           (Q4_0), q d (Q8_0)                             (group 32) without the extension
+    mode        weights kept                              kernel (CPU)
+    none        the serving dtype (GGUF blocks            the fp32 path (native panels)
+                dequantized)
+    gguf-exact  the file's Q4_0 / Q4_1 / Q8_0 blocks, as  the native q4_linear / q8_linear, or
+                they are: w = q d + m (Q4_1), (q - 8) d   torch's _weight_int4pack_mm_for_cpu
+                (Q4_0), q d (Q8_0)                        (group 32) without the extension
+    gguf        as gguf-exact (Q4 scales as fp16: the     Q4: the native q4i8_linear, activations
+                file's own)                               rounded to int8 per block of 32 and
+                                                          integer dot products (llama.cpp's
+                                                          numerics, issue 44); Q8_0: as
+                                                          gguf-exact
     int4   any fp32 weight, 4 bits, groups of 32,         as gguf's Q4
            asymmetric (min/max per group)
     int8   any fp32 weight, 8 bits in groups of 32        as gguf's Q8_0
@@ -22,8 +28,8 @@ beside it (`readable`: 1 byte a weight for 8-bit groups, 0.5 for 4-bit), counted
 The native panels are our own layout and are read as they are.
 
 The native kernels (kernels/csrc/quant_linear.cpp) decode the weights to fp32 as they use them
-and multiply in the fp32 path's own order, so `gguf` gives what `none` gives on the same file,
-to the bit; they run in the one-call decode stack too (decode_forward.cpp takes their codes and
+and multiply in the fp32 path's own order, so `gguf-exact` gives what `none` gives on the same
+file, to the bit; they run in the one-call decode stack too (decode_forward.cpp takes their codes and
 scales). torch's vectorised paths take bf16 activations (fp32 falls to a scalar loop, ~25x
 slower), so there a linear rounds its input to bf16 and returns fp32. The embedding and LM head
 are 8-bit groups of 32 (the file's Q8_0 blocks in gguf mode); a tied embedding decodes the rows
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierserve.engine.config import QUANTIZATIONS
+from tierserve.engine.config import GGUF_MODES, QUANTIZATIONS
 from tierserve.engine.worker.loaders.gguf_blocks import block_fields
 
 GROUP = 32
@@ -303,6 +309,76 @@ class Int4Weight(QuantWeight):
         return y if bias is None else y + bias
 
 
+_UNIT = 320
+"""Bytes of a q4i8 unit: 16 rows x 32 weights (two halves of 8 rows: 8 fp16 d, 8 fp16 m, 128
+bytes of codes)."""
+
+
+def pack_q4_dot(g: Int4Groups) -> torch.Tensor:
+    """Int4Groups in q4i8_linear's layout (kernels/csrc/q4_int8.cpp): [ceil(n / 16), in / 32 *
+    320] uint8. Rows go 16 to a group; a group's blocks of 32 follow one another as units, and
+    a unit holds two halves of 8 rows: their d (fp16), their m (fp16), then 4 vectors of 32
+    bytes, byte 4r + t of vector v holding row r's code at k = 4v + t (low nibble) and at
+    k = 16 + 4v + t (high): one 32-byte load is 8 rows x 4 consecutive k, what maddubs takes."""
+    n, k = g.codes.shape
+    kb = k // GROUP
+    q = _panel_rows(g.codes.to(torch.uint8)).view(-1, 2, 8, kb, 2, 4, 4)  # [G, h, r, b, hi, v, t]
+    codes = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).permute(0, 3, 1, 4, 2, 5)  # [G, b, h, v, r, t]
+
+    def halves(s: torch.Tensor) -> torch.Tensor:  # [n, kb] -> [G, b, h, 16] bytes of 8 fp16
+        h = _panel_rows(s.to(torch.float16)).view(-1, 2, 8, kb).permute(0, 3, 1, 2).contiguous()
+        return h.view(torch.uint8).view(*h.shape[:3], 16)
+
+    units = torch.cat([halves(g.scale), halves(g.offset),
+                       codes.reshape(*codes.shape[:3], 128)], -1)
+    return units.reshape(units.shape[0], kb * _UNIT).contiguous()
+
+
+def unpack_q4_dot(packed: torch.Tensor, n: int) -> Int4Groups:
+    """pack_q4_dot undone (the scales as the fp16 values kept)."""
+    u = packed.view(packed.shape[0], -1, 2, _UNIT // 2)  # [G, b, h, 160]
+    kb = u.shape[1]
+
+    def scales(a: int) -> torch.Tensor:
+        h = u[..., a:a + 16].contiguous().view(torch.float16).float()  # [G, b, h, 8]
+        return h.permute(0, 2, 3, 1).reshape(-1, kb)[:n]
+
+    c = u[..., 32:].reshape(*u.shape[:3], 4, 8, 4).permute(0, 2, 4, 1, 3, 5)  # [G, h, r, b, v, t]
+    q = torch.stack([c & 15, c >> 4], -3).reshape(-1, kb * GROUP)[:n]  # k = 16 hi + 4v + t
+    return Int4Groups(q.to(torch.int32), scales(0), scales(16))
+
+
+class Int4DotWeight(QuantWeight):
+    """4-bit groups for the native q4i8_linear (issue 44): each call rounds its input to int8
+    per row and block of 32 (scale amax / 127, as llama.cpp's Q8_1) and takes integer dot
+    products, one float multiply per block, so the result differs from the fp32 path's by that
+    rounding (docs/quantization.md has the measured quality). A row's result does not depend on
+    the batch. Held as pack_q4_dot's layout alone: d and m as fp16, which a GGUF's Q4_0 / Q4_1
+    blocks are. Without the extension: the decoded weights and torch's matmul."""
+
+    native = True
+
+    def __init__(self, g: Int4Groups):
+        self.out_features, self.in_features = g.codes.shape
+        self.packed = pack_q4_dot(g)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+    def stack_parts(self):
+        return (self.packed, None, None)
+
+    def decode(self, ops=None, bf16: bool = False) -> torch.Tensor:
+        w = unpack_q4_dot(self.packed, self.out_features).dequantize()
+        return w.to(torch.bfloat16) if bf16 else w
+
+    def __call__(self, x: torch.Tensor, ops=None, bias=None) -> torch.Tensor:
+        if ops is not None:
+            return ops.q4i8_linear(x.float().contiguous(), self.packed, self.out_features, bias)
+        y = x.float() @ self.decode().t()
+        return y if bias is None else y + bias[:self.out_features]
+
+
 class Int8GroupWeight(QuantWeight):
     """Int8Groups (GGUF's Q8_0, or 8-bit groups of any weights) for two kernels: the native
     extension's q8_linear (codes in panel order [n / 16, in, 16] int8, d [n / 16, in / 32, 16];
@@ -399,13 +475,14 @@ def resolve_quantization(mode: str, device_type: str, dtype: str, has_q4_blocks:
                          native: bool = True, capability: tuple[int, int] | None = None) -> str:
     """--quantization as it will run: auto keeps a GGUF's blocks on the CPU in float32 where
     every decoder linear has blocks the kernels take (has_q4_blocks: quant.gguf_covers) and the
-    native kernels are built (they give the fp32 path's bits from a fifth of the bytes), else
-    none. An explicit mode runs on the CPU in float32, or on CUDA in bfloat16 with compute
+    native kernels are built, as gguf-exact (the fp32 path's bits from a fifth of the bytes;
+    gguf's int8 activations are opt-in until the one-call decode stack and the CPU dispatch
+    take them: issue 44), else none. An explicit mode runs on the CPU in float32, or on CUDA in bfloat16 with compute
     capability 8.0 or newer (torch's tinygemm int4 kernel; `capability`: the GPU's)."""
     check_mode(mode)
     here = device_type == "cpu" and dtype == "float32"
     if mode == "auto":
-        return "gguf" if here and has_q4_blocks and native else "none"
+        return "gguf-exact" if here and has_q4_blocks and native else "none"
     if mode == "none" or here:
         return mode
     if device_type != "cuda" or dtype != "bfloat16":
@@ -452,8 +529,9 @@ def gguf_covers(weights: dict, blocks: dict) -> bool:
 
 
 def gguf_weight(names: list[str], blocks: dict, native: bool = False, device=None,
-                readable: bool = False) -> QuantWeight:
-    """The file's own blocks of these tensors (fused along the output), on their kernel."""
+                readable: bool = False, dot: bool = False) -> QuantWeight:
+    """The file's own blocks of these tensors (fused along the output), on their kernel (`dot`:
+    Q4 blocks on q4i8_linear, int8 activations)."""
     missing = [n for n in names if n not in blocks]
     if missing:
         raise QuantizationError(f"quantization gguf: tensor {missing[0]} is not Q4_0, Q4_1 or "
@@ -467,6 +545,8 @@ def gguf_weight(names: list[str], blocks: dict, native: bool = False, device=Non
         return Int8GroupWeight(Int8Groups(torch.cat([g.q for g in groups]),
                                           torch.cat([g.scale for g in groups])), native, device,
                                readable)
+    if dot and native and torch.device(device or "cpu").type == "cpu":
+        return Int4DotWeight(Int4Groups.cat(groups))
     return Int4Weight(Int4Groups.cat(groups), native, device, readable)
 
 
@@ -486,7 +566,7 @@ def taken_from_blocks(mode: str, model: torch.nn.Module, blocks: dict) -> frozen
     """The checkpoint tensors quantize_model takes from the file's own blocks (gguf mode: every
     decoder linear's, and the embedding's and LM head's where they are Q8_0): the model need not
     load them in fp32 first."""
-    if mode != "gguf":
+    if mode not in GGUF_MODES:
         return frozenset()
     names = {n for _, ns in model.linear_sources() for n in ns}
     names |= {n for n in ("model.embed_tokens.weight", "lm_head.weight")
@@ -507,8 +587,9 @@ def quantize_model(model: torch.nn.Module, mode: str, blocks: dict,
     kinds: dict[str, str] = {}
     for lin, names in model.linear_sources():
         readable = lin.bf16_min_rows > 0
-        if mode == "gguf":
-            lin.quantize(gguf_weight(names, blocks, native, device, readable))
+        if mode in GGUF_MODES:
+            lin.quantize(gguf_weight(names, blocks, native, device, readable,
+                                     dot=mode == "gguf" and not readable))
         elif mode == "int4":
             lin.quantize(Int4Weight(quantize_int4(lin.weight.detach()), native, device,
                                     readable))
@@ -539,7 +620,13 @@ _KERNELS: dict[type, str] = {
     Int8GroupWeight: "int8 groups of 32 (two int4 planes, bf16 activations)"}
 
 
+_NATIVE_DOT = ("int4 groups of 32 (native q4i8_linear: activations rounded to int8 per block "
+               "of 32, integer dot products)")
+
+
 def _kernel(q: QuantWeight) -> str:
+    if isinstance(q, Int4DotWeight):
+        return _NATIVE_DOT
     if q.device.type == "cuda":
         return ("int4 groups of 32 (_weight_int4pack_mm, CUDA tinygemm)"
                 if isinstance(q, Int4Weight) else
@@ -553,7 +640,7 @@ def _table(mode: str, name: str, weight: torch.Tensor, blocks: dict, native: boo
            device=None, readable: bool = False) -> Int8GroupWeight:
     """The embedding (and LM head): 8-bit groups of 32 (the file's own Q8_0 blocks in gguf mode
     when it has them); one scale per row lost too much: 95% top-1 agreement against 98.7%."""
-    b = blocks.get(name) if mode == "gguf" else None
+    b = blocks.get(name) if mode in GGUF_MODES else None
     g = blocks_to_groups(b) if b is not None and b.kind == "Q8_0" else quantize_int8_groups(
         weight.detach())
     return Int8GroupWeight(g, native, device, readable)

@@ -58,6 +58,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x W^T (+ b) for 8-bit weight groups in panel order",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("z") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("q4i8_pack", &q4i8_pack, "4-bit codes, d, m -> q4i8_linear's 16-row units",
+        py::arg("q"), py::arg("d"), py::arg("m"));
+  m.def("q8_quantize", &q8_quantize, "x -> (int8 codes, dx, sx) per block of 32", py::arg("x"));
+  m.def("q4i8_linear", &q4i8_linear, "x W^T (+ b), 4-bit weights x int8-rounded activations",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("q4_decode", &q4_decode, "4-bit weight groups in panel order -> fp32 [N, K]",
         py::arg("codes"), py::arg("d"), py::arg("z"), py::arg("n"), py::arg("bf16") = false,
         py::call_guard<py::gil_scoped_release>());

@@ -8,7 +8,10 @@
 // result is bit-identical to it. Sparse layers (DecodeStackArgs.summaries, from dense_layers on)
 // call sparse_paged_decode for their rows in place of paged_decode, each member counting into
 // stats of its own. Quantized linears (DecodeStackArgs.qweights) are split by panels the same way
-// and run quant_linear.cpp's panel functions (the fp32 path's order of arithmetic).
+// and run quant_linear.cpp's panel functions (the fp32 path's order of arithmetic), or, for
+// q4i8's layout (q4_int8.cpp: the weights entry a 2-D uint8 tensor, its qweights empty), each
+// member rounds the linear's input to int8 (all rows: a few microseconds, and no barrier) and
+// takes its share of the 16-row groups.
 //
 // Stack is one call's set-up (the shared activations, who takes which rows); Member::layer is one
 // member's step through a layer (Member::store_kv its RoPE and K/V store, Member::attend its
@@ -112,7 +115,8 @@ struct StackLinear {
   at::Tensor panels;
   Q4Linear q4{};
   Q8Linear q8{};
-  bool quant = false, eight = false;
+  Q4I8Linear dot{};
+  bool quant = false, eight = false, int8_dot = false;
   int64_t N = 0;
   const float* bias = nullptr;  // whole panels long, or none
 };
@@ -145,8 +149,9 @@ Stack::Stack(const DecodeStackArgs& args)
       qkv_n((a.num_heads + 2 * a.num_kv_heads) * D),
       q_n(a.num_heads * D),
       // down's panels or 8-bit codes: [hidden / 16, inter, 16]; 4-bit codes [hidden / 16,
-      // inter / 32, 16, 16]
-      inter(a.weights[6].size(1) * (a.weights[6].dim() == 4 ? 32 : 1)),
+      // inter / 32, 16, 16]; q4i8 units [hidden / 16, inter / 32 * 320]
+      inter(a.weights[6].dim() == 2 ? a.weights[6].size(1) / 320 * 32
+                                    : a.weights[6].size(1) * (a.weights[6].dim() == 4 ? 32 : 1)),
       sparse(!a.summaries.empty()),
       bias(layers),
       lin(layers),
@@ -161,8 +166,13 @@ Stack::Stack(const DecodeStackArgs& args)
       // 8-bit: int8 codes [NP, K, 16], or uint8 ones with an offset; 4-bit: [NP, K/32, 16, 16]
       L.eight = L.panels.dim() == 3 &&
                 (L.panels.scalar_type() == at::kChar || L.panels.scalar_type() == at::kByte);
+      L.int8_dot = L.panels.dim() == 2 && L.panels.scalar_type() == at::kByte;
       L.quant = L.eight || L.panels.scalar_type() == at::kByte;
-      if (L.quant) {
+      if (L.int8_dot) {
+        L.dot = q4i8_weight(L.panels, L.N);
+        TORCH_CHECK(L.dot.K == ins[i], "layer ", l, ": a q4i8 linear takes ", L.dot.K,
+                    " inputs, not ", ins[i]);
+      } else if (L.quant) {
         TORCH_CHECK(!a.qweights.empty(), "quantized codes without their scales (qweights)");
         const at::Tensor &d = a.qweights[l * 8 + 2 * i], &z = a.qweights[l * 8 + 2 * i + 1];
         if (L.eight) L.q8 = q8_weight(L.panels, d, z, L.N);  // checks the rows (N)
@@ -218,7 +228,12 @@ class Member {
     const int64_t NP = (L.N + 15) / 16, p0 = NP * tid_ / nt_, p1 = NP * (tid_ + 1) / nt_;
     const float* x = in.data_ptr<float>();
     float* y = out.data_ptr<float>();
-    if (L.eight)
+    if (L.int8_dot) {
+      const int64_t K = in.size(1);
+      xq_.resize(s_.B * K), dx_.resize(s_.B * K / 32), sx_.resize(s_.B * K / 32);
+      q8_quantize_rows(x, s_.B, K, K, xq_.data(), dx_.data(), sx_.data());
+      q4i8_linear_groups(L.dot, xq_.data(), dx_.data(), sx_.data(), s_.B, L.bias, y, L.N, p0, p1);
+    } else if (L.eight)
       q8_linear_panels(L.q8, x, in.size(1), L.bias, y, L.N, s_.B, p0, p1);
     else if (L.quant)
       q4_linear_panels(L.q4, x, in.size(1), L.bias, y, L.N, s_.B, p0, p1);
@@ -282,6 +297,8 @@ class Member {
   Stack& s_;
   const DecodeStackArgs& a_;
   const int64_t tid_, nt_, r0_, rn_, a0_, an_;
+  std::vector<int8_t> xq_;  // this member's copy of a q4i8 linear's input, rounded to int8
+  std::vector<float> dx_, sx_;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 // e^x: range reduction to 2^k * e^r, |r| <= ln2/2, degree-6 polynomial (about 2 ulp); inputs
@@ -191,6 +192,37 @@ void q4_linear_panels(const Q4Linear& w, const float* x, int64_t lda, const floa
                       int64_t ldy, int64_t M, int64_t p0, int64_t p1);
 void q8_linear_panels(const Q8Linear& w, const float* x, int64_t lda, const float* bias, float* y,
                       int64_t ldy, int64_t M, int64_t p0, int64_t p1);
+
+// 4-bit weights x int8 activations (csrc/q4_int8.cpp; the unit layout is described there): each
+// row of x rounded to int8 per block of 32, integer dot products, so not the fp32 path's bits
+// (about 0.5% of y's norm off it) but the same bits for a row at any batch size.
+// q uint8 [N, K] codes 0..15, d and m fp32 [N, K/32] (w = d q + m; Q4_0 is m = -8 d) -> packed
+// uint8 [ceil(N/16), K/32 * 320] (rows past N zero; d and m stored as fp16).
+at::Tensor q4i8_pack(at::Tensor q, at::Tensor d, at::Tensor m);
+// x fp32 [M, K] -> (xq int8 [M, K], dx fp32 [M, K/32], sx fp32 [M, K/32]): per block of 32,
+// dx = max|x| / 127, xq = round(x / dx), sx = dx sum(xq).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(at::Tensor x);
+// y [M, n] = x [M, K] fp32 . W^T (+ bias [n]), x quantized inside, groups split between threads.
+at::Tensor q4i8_linear(at::Tensor x, at::Tensor packed, int64_t n,
+                       c10::optional<at::Tensor> bias);
+
+// The same for callers that split the work themselves: the packed weight as a pointer, checked
+// to be [ceil(N/16), K/32 * 320] contiguous uint8.
+struct Q4I8Linear {
+  const uint8_t* packed;
+  int64_t N, K;
+};
+Q4I8Linear q4i8_weight(const at::Tensor& packed, int64_t N);
+// Rows of x [M, K] (row stride ldx) to int8 codes [M, K] and dx, sx [M, K/32] on the calling
+// thread; K % 32 == 0.
+void q8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* xq, float* dx,
+                      float* sx);
+// Groups of 16 output rows [g0, g1) of y [M, N] (row stride ldy) for all M rows of
+// q8_quantize_rows' output, + bias [N] where not null, on the calling thread; rows past N are not
+// written.
+void q4i8_linear_groups(const Q4I8Linear& w, const int8_t* xq, const float* dx, const float* sx,
+                        int64_t M, const float* bias, float* y, int64_t ldy, int64_t g0,
+                        int64_t g1);
 
 // W [N, K] fp32 -> panels [ceil(N/16), K, 16] for packed_linear (zero-padded past N).
 at::Tensor pack_linear_weight(at::Tensor w);
