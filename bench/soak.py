@@ -258,7 +258,11 @@ def serve(cfg: SoakConfig, work: Path, s3_url: str, disk_dir: Path) -> Iterator[
            "--kv-cache-memory-bytes", cfg.kv_cache_memory, "--kv-tiers", "cpu,disk,s3",
            "--cpu-tier-bytes", cfg.cpu_tier, "--disk-tier-dir", str(disk_dir),
            "--disk-tier-bytes", cfg.disk_tier, "--s3-bucket", BUCKET,
-           "--s3-endpoint-url", s3_url, "--s3-region", "us-east-1"]
+           "--s3-endpoint-url", s3_url, "--s3-region", "us-east-1",
+           # answers are checked token for token against the reference run, also when their
+           # prefix comes back from a tier: gguf's int8 activations can turn the last-bit
+           # difference between a loaded and a computed prefix into another token
+           "--quantization", "gguf-exact"]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **CREDENTIALS)
     with server_process(cmd, port, work / "server.log", env, stop_grace=60,
                         preexec_fn=_die_with_parent) as server:

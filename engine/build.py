@@ -145,12 +145,25 @@ def _choose_device(config: EngineConfig) -> tuple[EngineConfig, DeviceChoice, Dt
     return config, device, dtype
 
 
+def int8_dot_cpu() -> bool:
+    """Whether this CPU runs q4i8_linear's vector path (kernels/csrc/q4_int8.cpp)."""
+    return all(cpu_has(f) for f in ("avx2", "fma", "f16c"))
+
+
 def _resolve_quantization(config: EngineConfig, src: ModelSource,
                           device: DeviceChoice) -> EngineConfig:
     native = config.quantization == "auto" and device.type == "cpu" and fused_ops() is not None
+    auto = config.quantization == "auto"
     config = dataclasses.replace(config, quantization=resolve_quantization(
         config.quantization, device.type, config.dtype, gguf_covers(src.weights, src.blocks),
-        native, cuda_capability(config.device)))
+        native, cuda_capability(config.device), int8_dot=int8_dot_cpu()))
+    if auto and config.quantization == "gguf":
+        log.info("quantization auto: gguf (this CPU has AVX2, FMA and F16C: the Q4 linears take "
+                 "int8 activations and integer dot products at every batch size; "
+                 "--quantization gguf-exact keeps the fp32 path's bits)")
+    elif auto and config.quantization == "gguf-exact":
+        log.info("quantization auto: gguf-exact (no AVX2, FMA and F16C on this CPU for the int8 "
+                 "dot products: the Q4 blocks are decoded to fp32 as they are used)")
     if config.prefill_bf16 and not (device.type == "cpu" and cpu_has("amx_bf16")):
         raise ValueError("prefill_bf16 needs a CPU with AMX (amx_bf16 in /proc/cpuinfo); this "
                          f"{device.type} has none: leave it off")
@@ -265,8 +278,10 @@ def _speculator(config: EngineConfig, spec: SpeculativeConfig, draft: ModelSourc
         cfg = dataclasses.replace(
             config, model=spec.model, speculative_config=None, kv_tiers=None,
             sparse=SparseConfig(), cuda_graphs=False,
+            # the draft keeps its blocks as the target does: an exact target, an exact draft
             quantization=resolve_quantization(mode, device.type, config.dtype,
-                                              gguf_covers(draft.weights, draft.blocks), native))
+                                              gguf_covers(draft.weights, draft.blocks), native,
+                                              int8_dot=config.quantization == "gguf"))
         runner = ModelRunner(cfg, draft.config, draft.weights, num_blocks, max_model_len,
                              draft.blocks)
         return DraftModelProposer(runner, pool.num_blocks, config.cache.block_size,

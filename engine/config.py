@@ -203,8 +203,8 @@ class EngineConfig:
     dequantized), gguf-exact (keep a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are: the fp32
     path's outputs), gguf (the same blocks; activations rounded to int8 per block of 32 for
     integer dot products), int8 or int4 (groups of 32) from any weights; auto (the default):
-    gguf-exact for a Q4 GGUF on the CPU in float32 where the native kernels are built (the fp32
-    path's outputs from a fifth of the bytes), else none (engine/worker/quant.py)."""
+    for a Q4 GGUF on the CPU in float32 where the native kernels are built, gguf on CPUs with
+    AVX2, FMA and F16C and gguf-exact on others; else none (engine/worker/quant.py)."""
     prefill_bf16: bool = False
     """Prefill batches (64 tokens or more) multiply the decoder's linear layers in bf16 through
     oneDNN, which runs them on AMX's bf16 tiles (CPUs with amx_bf16 only; quantized weights are

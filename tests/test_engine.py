@@ -5,10 +5,14 @@ from __future__ import annotations
 from tierserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+EXACT = dict(quantization="gguf-exact")
+"""Tokens compared across paths (cached or not, preempted or not) need numerics that carry a
+last-bit difference in attention as a last-bit difference: the default gguf mode rounds each
+linear's input to int8, which can turn one into a different greedy token (docs/quantization.md)."""
 
 
 def test_prefix_cache_computes_only_new_tokens(corpus_ids):
-    llm = LLM(kv_cache_memory_bytes=1 << 29)
+    llm = LLM(kv_cache_memory_bytes=1 << 29, **EXACT)
     eng = llm.engine
     prefix = corpus_ids[:500]
     first = prefix + corpus_ids[2000:2010]
@@ -21,7 +25,7 @@ def test_prefix_cache_computes_only_new_tokens(corpus_ids):
     assert out.num_cached_tokens == cached
     # new prompt tokens past the cached blocks, plus one step per output token after the first
     assert computed == len(second) - cached + GREEDY.max_tokens - 1
-    cold = LLM(kv_cache_memory_bytes=1 << 29, enable_prefix_caching=False)
+    cold = LLM(kv_cache_memory_bytes=1 << 29, enable_prefix_caching=False, **EXACT)
     assert out.outputs[0].token_ids == cold.generate([second], GREEDY)[0].outputs[0].token_ids
 
 
@@ -30,7 +34,7 @@ def test_preemption_recomputes_and_frees_everything(llm, varied_prompts):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     # 50 blocks = 800 tokens: far less than the ~1,540 the prompts need at once.
-    tight = LLM(num_blocks=50, max_num_batched_tokens=128)
+    tight = LLM(num_blocks=50, max_num_batched_tokens=128, **EXACT)
     outs = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -46,7 +46,8 @@ def test_each_prompt_alone_matches_transformers(llm, varied_prompts, hf_outputs)
 def test_one_continuous_batch_with_chunked_prefill_matches_transformers(varied_prompts, hf_outputs):
     # A 256-token step budget is far below the 1,500-token prompt: prefills are chunked and
     # share steps with the decodes of the shorter prompts.
-    llm = LLM(kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=256, max_num_seqs=16)
+    llm = LLM(kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=256, max_num_seqs=16,
+              quantization="gguf-exact")  # the GGUF's blocks, the fp32 path's bits
     outs = llm.generate(varied_prompts, GREEDY)
     for prompt, out, expected in zip(varied_prompts, outs, hf_outputs):
         assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverges"

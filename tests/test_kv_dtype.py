@@ -33,7 +33,7 @@ def fp8_llm() -> LLM:
     """One-token prefill chunks, so every position attends through the fp8 cache (a fresh prompt
     chunk would otherwise attend to its own unquantized K/V)."""
     return LLM(kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=1 << 28,
-               long_prefill_token_threshold=1)
+               long_prefill_token_threshold=1, quantization="gguf-exact")
 
 
 def test_fp8_cache_is_one_byte_and_routes_off_cpu_native(fp8_llm):
@@ -74,7 +74,8 @@ def test_fp8_greedy_agrees_with_fp32(llm, fp8_llm):
 
 @pytest.fixture(scope="module")
 def fp16_llm() -> LLM:
-    return LLM(kv_cache_dtype="float16", kv_cache_memory_bytes=1 << 28)
+    # the fp32 path's weights: the cache's rounding is then the only difference
+    return LLM(kv_cache_dtype="float16", kv_cache_memory_bytes=1 << 28, quantization="gguf-exact")
 
 
 def test_fp16_cache_is_two_bytes_on_cpu_native(fp16_llm, monkeypatch):

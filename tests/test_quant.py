@@ -246,6 +246,7 @@ def test_refusals_name_the_tensor_and_the_mode(source):
     with pytest.raises(QuantizationError, match="int2"):
         resolve_quantization("int2", "cpu", "float32", True)
     assert resolve_quantization("auto", "cpu", "float32", True) == "gguf-exact"
+    assert resolve_quantization("auto", "cpu", "float32", True, int8_dot=True) == "gguf"
     assert resolve_quantization("auto", "cpu", "float32", True, native=False) == "none"
     # auto keeps a GGUF's blocks only where every decoder linear has them, one type per fused layer
     assert gguf_covers(source.weights, source.blocks)

@@ -89,9 +89,10 @@ def test_tp2_equals_tp1_on_a_random_llama(tiny_llama, varied_prompts):
 
 @pytest.fixture(scope="module")
 def three() -> LLM:
-    """The embedded model at TP=3, its shards quantized (auto: each rank keeps its slice of the
-    GGUF's own blocks, the fp32 path's bits); shared by the tests that compare it with TP=1."""
-    llm = LLM(tensor_parallel_size=3, **{**SMALL, "quantization": "auto",
+    """The embedded model at TP=3, its shards quantized (gguf-exact: each rank keeps its slice of
+    the GGUF's own blocks, the fp32 path's bits); shared by the tests that compare it with
+    TP=1."""
+    llm = LLM(tensor_parallel_size=3, **{**SMALL, "quantization": "gguf-exact",
                                         "kv_cache_memory_bytes": 256 << 20})
     yield llm
     llm.engine.close()
@@ -209,7 +210,8 @@ def test_server_streams_under_tp3_and_a_lost_rank_ends_it(tmp_path, llm):
 
     prompt = "The history of the printing press"
     want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
-    with run_server(tmp_path, "--tensor-parallel-size", "3") as srv:
+    # gguf-exact: the answer is checked against TP=1's fp32 path token for token
+    with run_server(tmp_path, "--tensor-parallel-size", "3", "--quantization", "gguf-exact") as srv:
         client = openai.OpenAI(base_url=srv.v1, api_key="x")
         body = dict(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0)
         assert client.completions.create(**body).choices[0].text == want
