@@ -43,11 +43,11 @@ def itl_ms(base_url: str, tokens: int) -> float:
     return statistics.median(gaps) * 1e3
 
 
-def one_round(mode: str, tokens: int, work: Path) -> tuple[float, str]:
-    """(ITL ms, the kernels line of /v1/backends' quantization) for `mode` on a fresh server."""
+def one_round(mode: str, tokens: int, work: Path, extra: list[str]) -> tuple[float, str]:
+    """(ITL ms, the server's log) for `mode` on a fresh server."""
     port = free_port()
     cmd = [sys.executable, "-m", "tierserve.server.cli", "serve", "--port", str(port),
-           "--log-level", "warning", "--kv-tiers", "none", "--quantization", mode]
+           "--log-level", "warning", *extra, "--quantization", mode]
     with server_process(cmd, port, work / f"{mode}.log", dict(os.environ)) as srv:
         wait_healthy(srv, 600)
         itl_ms(srv.base_url, 16)  # warm-up
@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--modes", default="auto,none")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--serve-args", default="--kv-tiers none",
+                    help='more `tierserve serve` flags (default: "--kv-tiers none")')
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -66,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for m in (modes if r % 2 == 0 else modes[::-1]):
-                ms, _ = one_round(m, args.tokens, Path(tmp))
+                ms, _ = one_round(m, args.tokens, Path(tmp), args.serve_args.split())
                 runs[m].append(ms)
                 print(f"round {r + 1}/{args.rounds} {m}: ITL {ms:.2f} ms", flush=True)
     ref = statistics.median(runs[modes[-1]])
