@@ -11,10 +11,10 @@
                                                           integer dot products (llama.cpp's
                                                           numerics, issue 44); Q8_0: as
                                                           gguf-exact
-    int4   any fp32 weight, 4 bits, groups of 32,         as gguf's Q4
-           asymmetric (min/max per group)
-    int8   any fp32 weight, 8 bits in groups of 32        as gguf's Q8_0
-           (symmetric, as GGUF's Q8_0)
+    int4        any fp32 weight, 4 bits, groups of 32,    as gguf-exact's Q4
+                asymmetric (min/max per group)
+    int8        any fp32 weight, 8 bits in groups of 32   as gguf-exact's Q8_0
+                (symmetric, as GGUF's Q8_0)
 
 On CUDA (bfloat16, compute capability 8.0 or newer) the same groups run on torch's tinygemm
 kernel, `_weight_int4pack_mm` (codes two to a byte, `_convert_weight_to_int4pack`); 8-bit groups
