@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 from bench.tables import cpu_line, markdown_table, write_json  # noqa: E402
 from tierserve.engine.worker.loaders import load_model_source  # noqa: E402
-from tierserve.engine.worker.quant import Int4Groups, Int4Weight, blocks_to_groups  # noqa: E402
+from tierserve.engine.worker.quant import (Int4DotWeight, Int4Groups, Int4Weight,  # noqa: E402
+                                           blocks_to_groups)
 from tierserve.kernels.native import load_extension  # noqa: E402
 
 KERNELS = ("q4i8", "q4", "fp32")
@@ -49,7 +50,7 @@ def layer_groups(blocks: dict, layer: int) -> dict[str, Int4Groups]:
 def kernel_calls(ops, g: Int4Groups) -> dict:
     """For each kernel, a function of x giving x W^T for these groups, packed for that kernel."""
     n = g.codes.shape[0]
-    packed = ops.q4i8_pack(g.codes.to(torch.uint8), g.scale, g.offset)
+    packed = Int4DotWeight(g).packed  # what --quantization gguf holds
     q4 = Int4Weight(g, native=True)
     codes, d, z = q4.codes, q4.d, q4.z
     panels = ops.pack_linear_weight(g.dequantize())

@@ -152,8 +152,8 @@ def int8_dot_cpu() -> bool:
 
 def _resolve_quantization(config: EngineConfig, src: ModelSource,
                           device: DeviceChoice) -> EngineConfig:
-    native = config.quantization == "auto" and device.type == "cpu" and fused_ops() is not None
     auto = config.quantization == "auto"
+    native = auto and device.type == "cpu" and fused_ops() is not None
     config = dataclasses.replace(config, quantization=resolve_quantization(
         config.quantization, device.type, config.dtype, gguf_covers(src.weights, src.blocks),
         native, cuda_capability(config.device), int8_dot=int8_dot_cpu()))
