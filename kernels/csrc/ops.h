@@ -184,6 +184,7 @@ struct Q8Linear {
   const uint8_t* codes;  // int8 codes, or uint8 ones where z is given
   const float *d, *z;    // z: null for w = d q
   int64_t N, K;
+  int64_t group = 32;    // weights per d (and z): 32, or 16 (GGUF's Q6_K sub-blocks)
 };
 Q4Linear q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z, int64_t N);
 Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& z,

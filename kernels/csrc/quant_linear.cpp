@@ -1,6 +1,10 @@
 // y = x W^T (+ b) for weights kept in groups of 32 along the input: 4-bit (GGUF's Q4_0 / Q4_1
 // blocks, or int4 from any weights; w = d q + z, q in 0..15) and 8-bit (GGUF's Q8_0, or int8 from
 // any weights: w = d q, q in -127..127, or with an offset, w = d q + z, q in 0..255), issue 31.
+// The 8-bit form with an offset also holds GGUF's 5- and 6-bit blocks exactly (issue 45: Q5_0,
+// Q5_1, Q5_K as codes 0..31, Q6_K as 0..63 with d and z per group of 16, Q4_K as the 4-bit form:
+// each is w = d q + z with d and z exact in fp32, so one FMA gives gguf's value; see
+// engine/worker/quant.py's kquant_groups).
 //
 // The weights are decoded to fp32 as they are used and multiplied in fp32 in the fp32 path's own
 // order: every output is one FMA chain over k, from the bias (or 0), k ascending, as the packed
@@ -13,7 +17,8 @@
 //   4-bit codes [NP, K/32, 16, 16] bytes: for panel p, block b, byte (j, i) holds row 16p + i's
 //         codes at k = 32b + j (low nibble) and 32b + 16 + j (high nibble);
 //   8-bit codes [NP, K, 16] int8 (uint8 with an offset): row 16p + i's code at k;
-//   d, z  [NP, K/32, 16] fp32: the 16 rows' scale (and zero) for a block.
+//   d, z  [NP, K/32, 16] fp32: the 16 rows' scale (and zero) for a block ([NP, K/16, 16] for
+//         8-bit codes in groups of 16: two per block of 32).
 // One 16-byte load then gives 16 output columns' weights for one k (two for 4-bit), the shape the
 // fp32 tiles take, with no transpose.
 //
@@ -148,29 +153,38 @@ struct Q4Rows {
   }
 };
 
-// 8-bit: signed codes, w = d q (kOffset false), or unsigned ones with an offset, w = d q + z.
-template <bool kOffset>
+// 8-bit: signed codes, w = d q (kOffset false), or unsigned ones with an offset, w = d q + z;
+// kHalves: d and z per 16 weights (a block's second half has its own).
+template <bool kOffset, bool kHalves = false>
 struct Q8Rows {
   const Q8Linear* w;
   int64_t nb;
   const uint8_t* c = nullptr;
-  V16 d, z;
+  V16 d, z, d1, z1;
   void begin(int64_t p, int64_t b) {
-    const int64_t at = (p * nb + b) * kP;
+    constexpr int64_t per = kHalves ? 2 : 1;
+    const int64_t at = (p * nb * per + b * per) * kP;
     c = w->codes + (p * w->K + b * kGroup) * kP, d = V16::load(w->d + at);
     if (kOffset) z = V16::load(w->z + at);
+    if (kHalves) d1 = V16::load(w->d + at + kP);
+    if (kHalves && kOffset) z1 = V16::load(w->z + at + kP);
   }
   V16 row(int64_t j) const {
-    return kOffset ? V16::from_u8(load16(c + j * kP)).times_plus(d, z)
-                   : V16::from_s8(load16(c + j * kP)).times(d);
+    const V16& dj = kHalves && j >= 16 ? d1 : d;
+    const V16& zj = kHalves && j >= 16 ? z1 : z;
+    return kOffset ? V16::from_u8(load16(c + j * kP)).times_plus(dj, zj)
+                   : V16::from_s8(load16(c + j * kP)).times(dj);
   }
 };
 
-// The 8-bit format's two forms, by whether the weight has an offset.
+// The 8-bit format's forms, by whether the weight has an offset and its group size.
 template <class F>
 void with_q8_rows(const Q8Linear& w, F f) {
-  if (w.z) f(Q8Rows<true>{&w, w.K / kGroup});
-  else f(Q8Rows<false>{&w, w.K / kGroup});
+  const int64_t nb = w.K / kGroup;
+  if (w.group == 16 && w.z) f(Q8Rows<true, true>{&w, nb});
+  else if (w.group == 16) f(Q8Rows<false, true>{&w, nb});
+  else if (w.z) f(Q8Rows<true>{&w, nb});
+  else f(Q8Rows<false>{&w, nb});
 }
 
 // Panel p decoded into out [K, 16] (pack_linear_weight's layout of one panel).
@@ -278,7 +292,7 @@ namespace {
 void check_scales(const at::Tensor& t, int64_t NP, int64_t nb, const char* what) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == NP && t.size(1) == nb && t.size(2) == kP &&
                   t.scalar_type() == at::kFloat && t.is_contiguous(),
-              what, ": contiguous fp32 [N/16, K/32, 16]");
+              what, ": contiguous fp32 [N/16, ", nb, " (K/32, or K/16 for groups of 16), 16]");
 }
 
 // y [M, N] (+ bias) by `run` over whole panels, split between the pool's threads.
@@ -324,10 +338,11 @@ Q8Linear q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
   const int64_t NP = codes.size(0), K = codes.size(1);
   TORCH_CHECK(N > (NP - 1) * kP && N <= NP * kP, "8-bit codes hold ", NP, " panels, not ", N,
               " rows");
-  check_scales(d, NP, K / kGroup, "d");
-  if (offset) check_scales(z, NP, K / kGroup, "z");
+  const int64_t group = d.dim() == 3 && d.size(1) == K / 16 ? 16 : kGroup;
+  check_scales(d, NP, K / group, "d");
+  if (offset) check_scales(z, NP, K / group, "z");
   return Q8Linear{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                  offset ? z.data_ptr<float>() : nullptr, N, K};
+                  offset ? z.data_ptr<float>() : nullptr, N, K, group};
 }
 
 namespace {

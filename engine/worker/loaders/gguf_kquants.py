@@ -13,6 +13,8 @@ _scaled). Nothing here makes an int64 or fp64 copy of the weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -167,6 +169,58 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     q = (ql | (qh << 4)).view(torch.int8) - 32
     d = _half(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
     return _scaled(q.reshape(n, 16, 16), d)
+
+
+@dataclass(frozen=True)
+class CodeGroups:
+    """A tensor's blocks as codes with an fp32 scale and offset per group: w = d * code + z
+    equals gguf's value to the bit when taken as one FMA (d * code is exact in fp32: an fp16
+    times a 6-bit scale times a code of at most 6 bits; z is exact too, so one rounding remains,
+    numpy's own; for Q5_0 and Q6_K, where gguf computes d * (code - bias), d * code - bias * d
+    is exact, but its zero is +0.0 where gguf's d * 0 is -0.0 for d < 0: equal values, and a dot
+    product's sum of them is the same). What the native kernels hold (engine/worker/quant.py,
+    kernels/csrc/quant_linear.cpp)."""
+
+    codes: torch.Tensor
+    """[rows, cols] uint8: 0..15 (Q4_K), 0..31 (Q5_0, Q5_1, Q5_K), 0..63 (Q6_K)."""
+    d: torch.Tensor
+    """[rows, cols / group] fp32."""
+    z: torch.Tensor
+    """[rows, cols / group] fp32."""
+    group: int
+    """Weights per d and z: 32, or 16 (Q6_K)."""
+
+
+CODE_GROUP_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""The types code_groups takes (Q2_K and Q3_K: not yet; their tensors are dequantized)."""
+
+
+def code_groups(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> CodeGroups:
+    """A 2-D tensor's blocks (of a CODE_GROUP_TYPES type) as CodeGroups, not re-quantized."""
+    if kind not in CODE_GROUP_TYPES:
+        raise ValueError(f"{kind} blocks are not kept as codes (kept: {CODE_GROUP_TYPES})")
+    rows, cols = shape
+    b = _bytes(raw).reshape(-1, BLOCK_BYTES[kind])
+    if kind in ("Q5_0", "Q5_1"):
+        codes = _five_bit_codes(b[:, 2 + 2 * (kind == "Q5_1"):6 + 2 * (kind == "Q5_1")],
+                                b[:, 6 + 2 * (kind == "Q5_1"):])
+        d = _half(b[:, 0:2])
+        z = -16 * d if kind == "Q5_0" else _half(b[:, 2:4])
+    elif kind == "Q6_K":
+        ql = _bits(b[:, 0:128].reshape(-1, 2, 64), (0, 4), 0x0F).reshape(-1, 8, 32)
+        qh = _bits(b[:, 128:192].reshape(-1, 2, 32), (0, 2, 4, 6), 3).reshape(-1, 8, 32)
+        codes = ql | (qh << 4)
+        d = _half(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
+        z = -32 * d
+    else:
+        d, m = _scale_min(b)
+        codes = _bits(b[:, -128:].reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32)
+        if kind == "Q5_K":
+            codes = codes | (_bits(b[:, 16:48], tuple(range(8)), 1) << 4)
+        z = -m
+    group = 16 if kind == "Q6_K" else 32
+    return CodeGroups(codes.reshape(rows, cols), d.reshape(rows, cols // group),
+                      z.reshape(rows, cols // group), group)
 
 
 _DECODERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k,

@@ -11,6 +11,8 @@ import torch
 
 from tierserve.engine.config import ModelConfig
 from tierserve.engine.worker.loaders.lazy import LazyWeights
+from tierserve.engine.worker.loaders.gguf_kquants import BLOCK_BYTES as KQ_BYTES
+from tierserve.engine.worker.loaders.gguf_kquants import BLOCK_SIZE as KQ_SIZE
 from tierserve.engine.worker.loaders.source import QuantBlocks
 
 
@@ -52,11 +54,17 @@ class ShardPlan:
                                    intermediate_size=self.inter[1], vocab_size=self.vocab[1])
 
 
+SHARDED = ("llama", "mistral", "qwen2", "qwen3")
+"""The families whose model takes a rank's shard (llama.py's `tp`)."""
+
+
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """A one-line ValueError when the model's heads or widths do not split over `size` ranks."""
     h, hkv, i = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     why = None
-    if h % size:
+    if cfg.architecture not in SHARDED:
+        why = f"{cfg.architecture} has no tensor-parallel path (sharded: {', '.join(SHARDED)})"
+    elif h % size:
         why = f"its {h} query heads do not divide by {size}"
     elif size <= hkv and hkv % size:
         why = f"its {hkv} KV heads do not divide by {size}"
@@ -97,8 +105,8 @@ def shard_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], rank: int
     return plan.local_config(), LazyWeights(out)
 
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-"""Bytes of one GGUF block of 32 weights."""
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, **KQ_BYTES}
+"""Bytes of one GGUF block (of 32 weights; of 256 for the K-quants)."""
 
 
 def shard_blocks(blocks: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
@@ -113,6 +121,7 @@ def shard_blocks(blocks: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
     out = {}
     for name, b in blocks.items():
         bpb, (n, k), heads = BLOCK_BYTES[b.kind], b.shape, b.rope_heads
+        size = KQ_SIZE.get(b.kind, 32)
         rows = cols = None
         if ".q_proj." in name:
             rows, heads = (h0 * d, hn * d), (hn if heads else None)
@@ -134,9 +143,9 @@ def shard_blocks(blocks: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
                                                     raw.dtype)])
             n = rows[1]
         if cols is not None:
-            if cols[0] % 32 or cols[1] % 32:
+            if cols[0] % size or cols[1] % size:
                 continue
-            raw, k = raw[:, cols[0] // 32 * bpb:(cols[0] + cols[1]) // 32 * bpb], cols[1]
+            raw, k = raw[:, cols[0] // size * bpb:(cols[0] + cols[1]) // size * bpb], cols[1]
         out[name] = QuantBlocks(np.ascontiguousarray(raw), b.kind, (n, k), heads)
     return out
 
