@@ -34,7 +34,7 @@ from tierserve.engine.worker.executor import Executor, LocalExecutor
 from tierserve.engine.worker.kv_worker import NoKVWorker
 from tierserve.engine.worker.loaders import ModelSource, load_model_source
 from tierserve.engine.worker.model_runner import ModelRunner
-from tierserve.engine.worker.quant import gguf_covers, resolve_quantization
+from tierserve.engine.worker.quant import gguf_covers, gguf_uncovered, resolve_quantization
 from tierserve.engine.worker.tp.executor import TPExecutor
 from tierserve.engine.worker.tp.shard import check_shardable
 from tierserve.kernels.kv_dtype import kv_elem_size
@@ -83,6 +83,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     threads = configure_threads(config.num_threads)
     config, device, dtype = _choose_device(config)
     src = load_model_source(config.model)
+    check_windowed(config, src.config)
     if config.tensor_parallel_size > 1:
         check_shardable(src.config, config.tensor_parallel_size)
     config = _resolve_quantization(config, src, device)
@@ -145,6 +146,22 @@ def _choose_device(config: EngineConfig) -> tuple[EngineConfig, DeviceChoice, Dt
     return config, device, dtype
 
 
+def check_windowed(config: EngineConfig, mc: ModelConfig) -> None:
+    """The options a model with sliding-window layers cannot take yet, refused in one line."""
+    if not mc.windowed:
+        return
+    why = None
+    if config.sparse.enabled:
+        why = ("sparse top-k decode: its block choice and kernels see the whole context, not a "
+               "windowed layer's last positions")
+    elif config.speculative_config is not None:
+        why = ("speculative decoding: its verify rows and draft runner are not yet checked "
+               "against windowed attention")
+    if why:
+        raise ValueError(f"{mc.architecture} has sliding-window layers (window "
+                         f"{mc.sliding_window}); this engine cannot run it with {why}")
+
+
 def int8_dot_cpu() -> bool:
     """Whether this CPU runs q4i8_linear's vector path (kernels/csrc/q4_int8.cpp)."""
     return all(cpu_has(f) for f in ("avx2", "fma", "f16c"))
@@ -164,6 +181,9 @@ def _resolve_quantization(config: EngineConfig, src: ModelSource,
     elif auto and config.quantization == "gguf-exact":
         log.info("quantization auto: gguf-exact (no AVX2, FMA and F16C on this CPU for the int8 "
                  "dot products: the Q4 blocks are decoded to fp32 as they are used)")
+    elif auto and src.blocks and (uncovered := gguf_uncovered(src.weights, src.blocks)):
+        log.info("quantization auto: none (no kernel keeps %s: every weight is dequantized to "
+                 "%s)", uncovered, config.dtype)
     if config.prefill_bf16 and not (device.type == "cpu" and cpu_has("amx_bf16")):
         raise ValueError("prefill_bf16 needs a CPU with AMX (amx_bf16 in /proc/cpuinfo); this "
                          f"{device.type} has none: leave it off")

@@ -14,16 +14,19 @@ from tierserve.engine.spec.config import SpeculativeConfig
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, as read from a GGUF or a Hugging Face config.json."""
+    """The shape of a decoder, as read from a GGUF or a Hugging Face config.json. The family
+    fixes what no field says: gemma3 scales the embedding by sqrt(hidden_size) (rounded to the
+    compute dtype, as HF does), scales every RMSNorm by (1 + w), and norms the attention's and
+    the MLP's outputs as well as their inputs (engine/worker/models/gemma3.py)."""
 
     architecture: str
-    """Family name: llama, mistral, qwen2 or qwen3."""
+    """Family name: llama, mistral, qwen2, qwen3 or gemma3."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP (SwiGLU, or GeGLU: hidden_act)."""
     num_layers: int
     """Decoder blocks."""
     num_heads: int
@@ -50,6 +53,21 @@ class ModelConfig:
     """Beginning-of-sequence token."""
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end generation unless ignore_eos is set."""
+    hidden_act: str = "silu"
+    """The MLP gate's activation, by HF's name: silu (SwiGLU, the Llama family) or
+    gelu_pytorch_tanh (GeGLU: GELU's tanh approximation, Gemma 3)."""
+    sliding_window: int | None = None
+    """Keys a query of a windowed layer attends, itself included: a query at position p sees
+    keys at (p - sliding_window, p] (Gemma 3: 512). None: no layer is windowed."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers that attend within sliding_window (HF's layer_types "sliding_attention"; Gemma
+    3: five of every six, every sixth attends to the whole context)."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the windowed layers (Gemma 3: 10000; rope_theta, 1e6, and rope_scaling are
+    the whole-context layers'). None: rope_theta on every layer."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 3: 256 on most sizes,
+    not always head_dim). None: head_dim ** -0.5."""
 
     @property
     def gqa_group(self) -> int:
@@ -63,6 +81,22 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention multiplies q.k by (HF's `scaling`)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0 / math.sqrt(self.head_dim)
+        return self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends within a sliding window (the attention backend must take one)."""
+        return self.sliding_window is not None and bool(self.sliding_layers)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of this layer, or None: it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         """K and V of one token across all layers."""

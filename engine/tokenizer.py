@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                        pre_tokenizers, processors)
 
 
 @dataclass
@@ -133,15 +134,56 @@ _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _SPLIT_REGEX = {"llama-bpe": _WORDS + r"\p{N}{1,3}" + _REST, "qwen2": _WORDS + r"\p{N}" + _REST}
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-_SPECIAL_TYPES = {2, 3, 4}
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+_SPECIAL_TYPES = {_UNKNOWN, _CONTROL, _USER_DEFINED}
+"""What the byte-level BPE vocabularies add as special tokens."""
+
+SPACE = "\u2581"
+"""How a SentencePiece vocabulary spells a space ('▁')."""
+
+MERGE_IN_FILE_ORDER = ("gemma", "gemma2", "gemma3")
+"""Architectures whose SentencePiece pieces merge in the order the vocabulary lists them, not in
+the order of their scores: Gemma's control and user-defined tokens all score -1000, which puts its
+runs of spaces behind thousands of words. transformers' GGUF converter orders them so; on
+gemma-3-270m, by score about one varied string in four tokenizes unlike it, in this order none."""
 
 
-def from_gguf_fields(tokens: list[str], types: list[int], merges: list[str], model: str,
-                     pre: str | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
-                     chat_template: str | None) -> TokenizerInfo:
-    """A byte-level BPE tokenizer ('gpt2' GGUF tokenizers: Llama 3, SmolLM, Qwen2...)."""
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' BPE)")
+def from_gguf_fields(fields: Mapping[str, Any]) -> TokenizerInfo:
+    """The tokenizer a GGUF's tokenizer.* metadata describes (llama.cpp's key names): 'gpt2' is
+    byte-level BPE (Llama 3, SmolLM, Qwen2...), 'llama' SentencePiece BPE (Gemma, Llama 2,
+    Mistral)."""
+    key = lambda k, default=None: fields.get(f"tokenizer.ggml.{k}", default)
+    model, tokens = key("model"), list(key("tokens") or [])
+    types = [int(t) for t in key("token_type", [])] or [_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(types)} token types")
+    if model == "gpt2":
+        tok = _byte_level_bpe(tokens, types, key("merges") or [], key("pre"))
+    elif model == "llama":
+        tok = _sentencepiece_bpe(tokens, types, _merge_ranks(fields, len(tokens)),
+                                 bool(key("add_space_prefix", True)),
+                                 _name(tokens, key("unknown_token_id")))
+    else:
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported "
+                         f"(supported: 'gpt2' BPE, 'llama' SentencePiece BPE)")
+    eos = _name(tokens, key("eos_token_id"))
+    if key("add_eos_token", False) and eos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+            special_tokens=[(eos, int(key("eos_token_id")))])
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = bool(key("add_bos_token", model == "llama"))
+    return TokenizerInfo(tok, fields.get("tokenizer.chat_template"),
+                         _name(tokens, key("bos_token_id")), eos, add_bos)
+
+
+def _name(tokens: list[str], i: int | None) -> str | None:
+    return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
+                    pre: str | None) -> Tokenizer:
+    """GPT-2's byte-level BPE with the file's merges, split as llama.cpp's `pre` names."""
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=(pre == "llama-bpe")))
@@ -158,5 +200,54 @@ def from_gguf_fields(tokens: list[str], types: list[int], merges: list[str], mod
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty in _SPECIAL_TYPES])
-    name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None
-    return TokenizerInfo(tok, chat_template, name(bos_id), name(eos_id), add_bos)
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], ranks: list[float],
+                       space_prefix: bool, unk: str | None) -> Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces become '▁', a '▁' goes before the text and
+    after each special token when the file's add_space_prefix asks (Llama 2, Mistral; not Gemma),
+    and a character outside the vocabulary becomes its UTF-8 bytes' <0xNN> tokens."""
+    # llama.cpp's converter writes '▁' in user-defined tokens as a space (Gemma's runs of spaces):
+    # spelled back, they merge from the '▁'s the normalizer makes, as transformers does.
+    spelled = [t.replace(" ", SPACE) if ty == _USER_DEFINED else t for t, ty in zip(tokens, types)]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(vocab, spelled, ranks),
+                               unk_token=unk, fuse_unk=True, byte_fallback=True))
+    spaces = normalizers.Replace(" ", SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if space_prefix \
+        else spaces
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
+    # Matched whole in the text, before the normalizer (llama.cpp: tokenizer_st_partition).
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (_UNKNOWN, _CONTROL)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, s, ty in zip(tokens, spelled, types) if ty == _USER_DEFINED and t == s])
+    return tok
+
+
+def _merge_ranks(fields: Mapping[str, Any], n: int) -> list[float]:
+    """Each token's rank as a merge result, the best lowest: minus its score, or its id for
+    MERGE_IN_FILE_ORDER."""
+    scores = fields.get("tokenizer.ggml.scores")
+    if fields.get("general.architecture") in MERGE_IN_FILE_ORDER or scores is None:
+        return list(range(n))
+    if len(scores) != n:
+        raise ValueError(f"{n} tokens but {len(scores)} scores")
+    return [-float(s) for s in scores]
+
+
+def _spm_merges(vocab: dict[str, int], spelled: list[str],
+                ranks: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece merges the adjacent pair whose union is the best-ranked token; as BPE
+    merges: every split of a token into two tokens, ranked as the token (ties: the longer left
+    part first, then the lower id, as transformers ranks them)."""
+    merges = []
+    for i, piece in enumerate(spelled):
+        if vocab[piece] != i:  # a repeated spelling: the last id is the one BPE gives
+            continue
+        merges.extend((ranks[i], -k, piece[:k], piece[k:]) for k in range(1, len(piece))
+                      if piece[:k] in vocab and piece[k:] in vocab)
+    merges.sort(key=lambda m: m[:2])
+    return [m[2:] for m in merges]

@@ -33,6 +33,9 @@ class Capabilities:
     max_capability: tuple[int, int] | None = None
     sparse: bool = False
     """Sparse (top-k block) attention."""
+    sliding_window: bool = False
+    """Per-layer sliding-window attention (forward's `window`): models with windowed layers
+    (Gemma 3) run only on backends that say so."""
     requires: tuple[str, ...] = ()
     """Python packages that must import."""
     min_capability_for: tuple[tuple[str, tuple[int, int]], ...] = ()
@@ -105,9 +108,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any) -> torch.Tensor:
+                meta: Any, window: int | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] of this step's tokens, already written to kv_cache.
-        Returns [T, H * D]."""
+        Returns [T, H * D]. `window`: this layer's sliding window, a query at position p
+        attending keys at (p - window, p] only (only where capabilities.sliding_window; the
+        router sends windowed models nowhere else); None: the whole causal context."""
 
     def forward_sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, meta: Any, sparse: Any, layer: int) -> torch.Tensor:

@@ -35,15 +35,16 @@ class PhaseSplit(AttentionBackend):
         pre = self.prefill.build_metadata(layout.prefill_part()) if nd < layout.num_seqs else None
         return SplitMeta(layout.query_start[nd], dec, pre)
 
-    def forward(self, q, k, v, kv_cache, meta: SplitMeta) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: SplitMeta,
+                window: int | None = None) -> torch.Tensor:
         n = meta.num_decode_tokens
         if meta.prefill is None:
-            return self.decode.forward(q, k, v, kv_cache, meta.decode)
+            return self.decode.forward(q, k, v, kv_cache, meta.decode, window)
         if meta.decode is None:
-            return self.prefill.forward(q, k, v, kv_cache, meta.prefill)
+            return self.prefill.forward(q, k, v, kv_cache, meta.prefill, window)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        out[:n] = self.decode.forward(q[:n], k[:n], v[:n], kv_cache, meta.decode)
-        out[n:] = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, meta.prefill)
+        out[:n] = self.decode.forward(q[:n], k[:n], v[:n], kv_cache, meta.decode, window)
+        out[n:] = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, meta.prefill, window)
         return out
 
     def forward_sparse(self, q, k, v, kv_cache, meta: SplitMeta, sparse, layer) -> torch.Tensor:

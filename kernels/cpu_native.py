@@ -16,6 +16,10 @@ default): the kernels widen fp16 blocks to fp32 as they read them, and store K/V
 nearest-even, so an fp16 cache gives what an fp32 cache holding the same rounded values gives, from
 half the bytes (decode attention reads every context token's K/V on every step: at batch 64 and
 context 256 that is 754 MB in fp32).
+
+Sliding-window layers (Gemma 3's) run through the torch SDPA path this class inherits, with the
+window in its masks: the native kernels take no window bounds yet. A step's SDPA metadata is built
+on the first windowed layer that asks and shared by the rest; the whole-context layers stay native.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from tierserve.kernels.base import BatchLayout, Capabilities
 from tierserve.kernels.native import load_extension
-from tierserve.kernels.torch_sdpa import TorchSdpaBackend
+from tierserve.kernels.torch_sdpa import SdpaMeta, TorchSdpaBackend
 
 
 @dataclass
@@ -55,6 +59,10 @@ class NativeMeta:
     decode: NativeDecodeMeta | None
     prefill: NativePrefillMeta | list | None
     """The native kernel's metadata, or torch SDPA's PrefillMeta per chunk."""
+    layout: BatchLayout | None = None
+    """The step's layout, for the windowed layers' SDPA metadata."""
+    sdpa: SdpaMeta | None = None
+    """torch SDPA's metadata of the step, built by the first windowed layer."""
 
 
 class CpuNativeBackend(TorchSdpaBackend):
@@ -65,6 +73,7 @@ class CpuNativeBackend(TorchSdpaBackend):
         kv_dtypes=("auto", "float32", "float16"),
         requires=("ninja",),
         sparse=True,
+        sliding_window=True,  # windowed layers through the inherited torch SDPA path
     )
 
     def __init__(self, *args, **kwargs):
@@ -79,7 +88,7 @@ class CpuNativeBackend(TorchSdpaBackend):
 
     def build_metadata(self, layout: BatchLayout):
         b = layout.num_decodes
-        decode = self._decode_meta(layout) if b else None
+        decode = self._native_decode_meta(layout) if b else None
         prefill = None
         if layout.num_seqs > b and (self.prefill_bf16_min_rows or not
                                     self.ext.paged_prefill_supported(self.head_dim,
@@ -91,7 +100,7 @@ class CpuNativeBackend(TorchSdpaBackend):
                                         torch.tensor(starts, dtype=torch.long),
                                         torch.tensor(layout.context_lens[b:], dtype=torch.long),
                                         layout.block_size)
-        return NativeMeta(decode, prefill)
+        return NativeMeta(decode, prefill, layout)
 
     def _prefill_into(self, q, k, v, kv_cache, p, out) -> None:
         """The step's prefill chunks into their rows of out: the native kernel, or torch SDPA per
@@ -103,15 +112,19 @@ class CpuNativeBackend(TorchSdpaBackend):
         self.ext.paged_prefill_(q, kv_cache, p.block_tables, p.query_start, p.context_lens,
                                 p.block_size, self.scale, out)
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, window: int | None = None):
         if not isinstance(meta, NativeMeta):
-            return super().forward(q, k, v, kv_cache, meta)
+            return super().forward(q, k, v, kv_cache, meta, window)
+        if window is not None:
+            if meta.sdpa is None:
+                meta.sdpa = super().build_metadata(meta.layout)
+            return super().forward(q, k, v, kv_cache, meta.sdpa, window)
         d, p = meta.decode, meta.prefill
         if p is None:
-            return self._decode(q, kv_cache, d)
+            return self._native_decode(q, kv_cache, d)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if d is not None:
-            out[:d.batch] = self._decode(q, kv_cache, d)
+            out[:d.batch] = self._native_decode(q, kv_cache, d)
         self._prefill_into(q, k, v, kv_cache, p, out)
         return out
 
@@ -137,12 +150,12 @@ class CpuNativeBackend(TorchSdpaBackend):
             return meta.decode
         return None
 
-    def _decode_meta(self, layout: BatchLayout) -> NativeDecodeMeta:
+    def _native_decode_meta(self, layout: BatchLayout) -> NativeDecodeMeta:
         b = layout.num_decodes
         return NativeDecodeMeta(b, layout.block_size, layout.block_tables[:b].contiguous(),
                                 torch.tensor(layout.context_lens[:b], dtype=torch.long))
 
-    def _decode(self, q, kv_cache, m: NativeDecodeMeta):
+    def _native_decode(self, q, kv_cache, m: NativeDecodeMeta):
         out = self.ext.paged_decode(q[:m.batch], kv_cache, m.block_tables, m.context_lens,
                                     m.block_size, self.scale)
         return out.view(m.batch, -1)

@@ -21,6 +21,11 @@ once over static device tensors and has no per-replay host hook, so taking it wo
 wrapper per bucket and a plan() call inside the replay path: the graph-capable decode backend
 is triton. Call shapes are checked against a recording stub in tests/test_flashinfer_calls.py;
 the kernels themselves only on a GPU node (bench/gpu_check.py).
+
+Sliding windows (Gemma 3): not taken yet, so the router sends windowed models elsewhere.
+FlashInfer has them (plan(window_left=window - 1)), but the window is fixed when a wrapper is
+planned and its kernel variant chosen, while ours differs by layer: it needs a wrapper pair per
+window, each planned once a step, and a run on a GPU before the router may pick it.
 """
 
 from __future__ import annotations
@@ -100,7 +105,9 @@ class FlashInferBackend(AttentionBackend):
                                kv_data_type=self.kv_dtype)
         return FlashInferMeta(layout.num_decodes, bs, dec.num_seqs > 0, pre.num_seqs > 0)
 
-    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta):
+    def forward(self, q, k, v, kv_cache, meta: FlashInferMeta, window: int | None = None):
+        if window is not None:  # capabilities say no sliding window: the router sends none here
+            raise NotImplementedError("the flashinfer backend takes no sliding window yet")
         hkv, d = self.num_kv_heads, self.head_dim
         pages = kv_cache.view(2, hkv, -1, meta.page_size, d).permute(0, 2, 1, 3, 4)
         paged = (pages[0], pages[1])

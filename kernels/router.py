@@ -45,6 +45,8 @@ class RouteQuery:
     capability: tuple[int, int] | None = None
     """CUDA compute capability (major, minor); None off CUDA."""
     sparse: bool = False
+    sliding_window: bool = False
+    """The model has sliding-window layers (Gemma 3)."""
 
     @property
     def group(self) -> int:
@@ -111,6 +113,8 @@ def reject_reason(caps: Capabilities, q: RouteQuery,
          f"page size {q.page_size} not in {caps.page_sizes}"),
         (q.phase in caps.phases, f"phase {q.phase} not supported"),
         (not q.sparse or caps.sparse, "no sparse attention support"),
+        (not q.sliding_window or caps.sliding_window,
+         "no sliding-window attention (the model has windowed layers)"),
     ]
     for ok, why in checks:
         if not ok:

@@ -14,6 +14,7 @@ class TorchRefBackend(AttentionBackend):
         device_types=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         kv_dtypes=("auto", "float32", "float16", "bfloat16", "fp8_e4m3"),
+        sliding_window=True,
     )
 
     def build_metadata(self, layout: BatchLayout) -> list[tuple[int, int, torch.Tensor]]:
@@ -21,7 +22,7 @@ class TorchRefBackend(AttentionBackend):
                  context_slots(layout, s, layout.context_lens[s]).to(self.device))
                 for s in range(layout.num_seqs)]
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, window: int | None = None):
         g = self.num_heads // self.num_kv_heads
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for q0, ql, slots in meta:
@@ -32,6 +33,8 @@ class TorchRefBackend(AttentionBackend):
             scores = qq @ kk.transpose(1, 2) * self.scale                  # [H, ql, ctx]
             pos = torch.arange(ctx, device=scores.device)
             allowed = pos[None, :] <= pos[ctx - ql:, None]
+            if window is not None:  # a query at p sees (p - window, p]
+                allowed &= pos[None, :] > pos[ctx - ql:, None] - window
             scores = scores.masked_fill(~allowed, float("-inf"))
             o = torch.softmax(scores, dim=-1) @ vv                         # [H, ql, D]
             out[q0:q0 + ql] = o.transpose(0, 1).reshape(ql, -1).to(q.dtype)

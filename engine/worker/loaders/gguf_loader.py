@@ -1,8 +1,10 @@
-"""Llama-family GGUF files: metadata to ModelConfig, tensors dequantized to fp32 HF names."""
+"""Llama-family and Gemma 3 GGUF files: metadata to ModelConfig, tensors dequantized to fp32 HF
+names."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from functools import partial
 
@@ -18,9 +20,12 @@ from tierserve.engine.worker.loaders.gguf_kquants import (KQUANT_TYPES,
                                                     dequantize as kquant_dequantize)
 from tierserve.engine.worker.loaders.lazy import Entry, LazyWeights, cut_tensor
 from tierserve.engine.worker.loaders.validate import check_weights
+from tierserve.engine.chat_templates import BUILTIN_TEMPLATES
 from tierserve.engine.tokenizer import TokenizerInfo, from_gguf_fields
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 QUANT_BLOCK_TYPES = tuple(HEAD_BYTES)
 """Block types whose weights --quantization gguf keeps as they are (engine/worker/quant.py), the
 ones gguf_blocks.py decodes."""
@@ -32,15 +37,27 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_ARCH_LAYER_NAMES = {"gemma3": {
+    **_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
+"""Families whose layer tensors map otherwise (Gemma 3 norms both sides of attention and MLP)."""
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head", "rope_freqs": "rope_freqs"}
+NORM_SHIFTED = ("gemma3",)
+"""Families whose norm weights llama.cpp's converter stores as 1 + w (HF's w plus Gemma's
+offset): the loader subtracts 1, as transformers' GGUF loader does (Gemma2TensorProcessor)."""
+GEMMA3_SLIDING_PATTERN = 6
+"""llama.cpp's Gemma 3 (set_swa_pattern(6)): layer i is windowed unless i % 6 == 5, HF's
+default layer_types; the file stores only the window."""
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+"""The windowed layers' RoPE base where the file has no rope.freq_base_swa (llama.cpp's)."""
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     base, _, kind = name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        hf = _LAYER_NAMES.get(part)
+        hf = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).get(part)
         return f"model.layers.{layer}.{hf}.{kind}" if hf else None
     hf = _TOP_NAMES.get(base)
     return f"{hf}.{kind}" if hf else None
@@ -75,7 +92,7 @@ def load_gguf(path: str, lazy: bool = True) -> ModelSource:
     config = _config(path, fields, arch)
     weights, blocks = {}, {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         shape = tuple(int(x) for x in reversed(t.shape))
@@ -85,7 +102,7 @@ def load_gguf(path: str, lazy: bool = True) -> ModelSource:
             weights[name] = Entry(shape, partial(_read_tensor, path, t, name, config))
         else:  # decoded now: a type nothing here decodes is refused before the model is built
             weights[name] = _held(_tensor(path, t, name, config))
-        if t.tensor_type.name in QUANT_BLOCK_TYPES and name.endswith(".weight"):
+        if t.tensor_type.name in (*QUANT_BLOCK_TYPES, *KQUANT_TYPES) and name.endswith(".weight"):
             blocks[name] = QuantBlocks(t.data, t.tensor_type.name, shape,
                                        _rope_heads(name, config))
     if lazy:
@@ -142,6 +159,8 @@ def _tensor(path: str, t, name: str, config: ModelConfig) -> torch.Tensor:
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) is unreadable "
                              f"({one_line(e)})") from None
+    if config.architecture in NORM_SHIFTED and name.endswith("norm.weight"):
+        arr = arr - np.float32(1)  # stored as 1 + w; the model adds the 1 back in fp32
     if config.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_heads if "q_proj" in name else config.num_kv_heads
         if arr.ndim != 2 or arr.shape[0] % (2 * heads):
@@ -157,16 +176,16 @@ def _tokenizer(path: str, fields: dict) -> TokenizerInfo:
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
-    try:
-        return from_gguf_fields(
-            tokens, fields.get("tokenizer.ggml.token_type") or [],
-            fields.get("tokenizer.ggml.merges") or [], fields.get("tokenizer.ggml.model"),
-            fields.get("tokenizer.ggml.pre"), fields.get("tokenizer.ggml.bos_token_id"),
-            fields.get("tokenizer.ggml.eos_token_id"),
-            bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-            fields.get("tokenizer.chat_template"))
+    try:  # the whole metadata: the vocabulary, its scores and flags, the architecture
+        info = from_gguf_fields(fields)
     except Exception as e:
         raise ModelLoadError(f"{path}: unusable tokenizer metadata ({one_line(e)})") from None
+    arch = fields.get("general.architecture")
+    if info.chat_template is None and arch in BUILTIN_TEMPLATES:
+        log.info("%s has no chat template: %s's own (engine/chat_templates.py; --chat-template "
+                 "replaces it)", os.path.basename(path), arch)
+        info = dataclasses.replace(info, chat_template=BUILTIN_TEMPLATES[arch])
+    return info
 
 
 def _rope_scaling(path: str, g) -> dict | None:
@@ -208,7 +227,9 @@ def _config(path: str, fields: dict, arch: str) -> ModelConfig:
     tokens = fields.get("tokenizer.ggml.tokens") or []
     eos = fields.get("tokenizer.ggml.eos_token_id")
     eot = fields.get("tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(sorted({int(x) for x in (eos, eot) if x is not None}))
+    eos_ids = tuple(sorted({int(x) for x in (eos, eot, *_end_of_turn(arch, tokens))
+                            if x is not None}))
+    family = _gemma3(path, g, hidden // heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=int(g("vocab_size", 0) or len(tokens)),
@@ -223,7 +244,32 @@ def _config(path: str, fields: dict, arch: str) -> ModelConfig:
         rope_scaling=_rope_scaling(path, g),
         max_position_embeddings=int(g("context_length", 4096)),
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        **family,
     )
+
+
+def _gemma3(path: str, g, head_width: int, head_dim: int) -> dict:
+    """Gemma 3's fields beyond the Llama family's, as llama.cpp reads the file (llama-model.cpp):
+    the window on five of every six layers, their RoPE base, and the attention scale: 27B (62
+    blocks) scales by (hidden / heads)**-0.5 (HF's query_pre_attn_scalar 168 there), every other
+    size by head_dim**-0.5 (256: HF's value on those)."""
+    window, layers = g("attention.sliding_window"), int(g("block_count"))
+    if not isinstance(window, (int, np.integer)) or window < 1:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks gemma3.attention.sliding_window")
+    return dict(
+        hidden_act="gelu_pytorch_tanh", sliding_window=int(window),
+        sliding_layers=tuple(i for i in range(layers)
+                             if i % GEMMA3_SLIDING_PATTERN != GEMMA3_SLIDING_PATTERN - 1),
+        rope_local_base_freq=float(g("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        query_pre_attn_scalar=float(head_width if layers == 62 else head_dim))
+
+
+def _end_of_turn(arch: str, tokens: list[str]) -> tuple[int, ...]:
+    """Gemma 3's <end_of_turn>, which ends a chat turn (HF's generation_config lists it beside
+    <eos>; llama.cpp finds it by its text, as here) where the file names no eot token."""
+    if arch != "gemma3" or "<end_of_turn>" not in tokens:
+        return ()
+    return (tokens.index("<end_of_turn>"),)

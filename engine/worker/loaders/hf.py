@@ -18,7 +18,11 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+GEMMA3_SLIDING_PATTERN = 6
+"""transformers' Gemma3TextConfig: without layer_types, layer i is windowed unless (i + 1) % 6 == 0
+(sliding_window_pattern, 6 by default)."""
 
 
 def load_hf_dir(path: str) -> ModelSource:
@@ -59,7 +63,8 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
     heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    theta, scaling = _rope(raw)
+    family = _gemma3(raw, where) if arch == "gemma3" else {}
+    theta, scaling = family.pop("rope", None) or _rope(raw)
     if rope_type(scaling) not in ROPE_TYPES:
         raise ModelLoadError(f"{where}: rope scaling type {rope_type(scaling)!r} is not supported "
                              f"(supported: {', '.join(ROPE_TYPES)})")
@@ -76,13 +81,45 @@ def hf_config(raw: dict, where: str) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3"),
         # Qwen2 always has q/k/v biases and its config.json does not say so.
         attention_bias=raw.get("attention_bias", arch == "qwen2"),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **family,
     )
+
+
+def _gemma3(raw: dict, where: str) -> dict:
+    """Gemma 3's fields beyond the Llama family's (transformers' Gemma3TextConfig, 4.x's keys
+    or 5's), with "rope": the whole-context layers' (theta, scaling). Soft-capping and
+    bidirectional attention (Gemma 2, EmbeddingGemma) are refused."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelLoadError(f"{where}: {key} {raw[key]} is not supported (Gemma 3 has none)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{where}: use_bidirectional_attention is not supported (a causal "
+                             f"decoder only)")
+    n = raw["num_hidden_layers"]
+    if raw.get("layer_types") is not None and len(raw["layer_types"]) != n:
+        raise ModelLoadError(f"{where}: {len(raw['layer_types'])} layer_types for {n} layers")
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % raw.get("sliding_window_pattern", GEMMA3_SLIDING_PATTERN) == 0
+        else "sliding_attention" for i in range(n)]
+    params = raw.get("rope_parameters") or {}
+    whole, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    theta = float(whole.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    scaling = raw.get("rope_scaling") or (whole if whole.get("rope_type", "default") != "default"
+                                          else None)
+    return dict(
+        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+        sliding_window=raw.get("sliding_window") or None,
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        rope_local_base_freq=float(local.get("rope_theta", raw.get("rope_local_base_freq",
+                                                                   10_000.0))),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        rope=(theta, scaling))
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:

@@ -14,8 +14,13 @@ from tierserve.engine.worker.loaders.source import ModelLoadError
 from tierserve.engine.worker.loaders.lazy import LazyWeights
 
 
+EXTRA_LAYER_NORMS = {"gemma3": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+"""Per family, the layer norms beyond input_layernorm and post_attention_layernorm (Gemma 3's
+norms around the MLP; its post_attention_layernorm norms the attention's output)."""
+
+
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for every tensor the Llama-family model reads."""
+    """HF tensor name -> shape, for every tensor the model reads."""
     h, i = c.hidden_size, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
@@ -36,6 +41,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
                            p + "self_attn.k_norm.weight": (c.head_dim,)})
+        shapes.update({f"{p}{n}.weight": (h,) for n in EXTRA_LAYER_NORMS.get(c.architecture, ())})
     return shapes
 
 

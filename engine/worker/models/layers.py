@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,22 @@ class Linear(nn.Module):
 def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
     """The native kernel's 16-column panels [P, K, 16] back to the [rows, K] weight."""
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:rows]
+
+
+def fill(dst: torch.Tensor, weights: Mapping[str, torch.Tensor], names: list[str],
+         skip: frozenset[str] = frozenset()) -> None:
+    """Copy the named tensors into consecutive rows of `dst` (converting device and dtype as
+    copy_ does), reading each once; no fused host copy is made. Nothing if all are in `skip`."""
+    if all(n in skip for n in names):
+        return
+    at = 0
+    with torch.no_grad():
+        for name in names:
+            t = weights[name]
+            dst[at:at + t.shape[0]].copy_(t)
+            at += t.shape[0]
+    if at != dst.shape[0]:
+        raise ValueError(f"{names}: {at} rows for a parameter of {dst.shape[0]}")
 
 
 class RMSNorm(nn.Module):
@@ -250,3 +267,17 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(qk.dtype)
         sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
         return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+
+
+def linear_sources(layers) -> list[tuple[Linear, list[str]]]:
+    """Each decoder layer's linears (self_attn.qkv_proj and o_proj, mlp.gate_up_proj and
+    down_proj) with the checkpoint tensors each fuses, in HF's names (quantization packs those)."""
+    out = []
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                (attn.o_proj, [p + "self_attn.o_proj.weight"]),
+                (mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                (mlp.down_proj, [p + "mlp.down_proj.weight"])]
+    return out

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.engine.config import ModelConfig
-from tierserve.engine.worker.models.layers import (Linear, RMSNorm, RotaryEmbedding, rope_attention_factor,
-                                            rope_inv_freq)
+from tierserve.engine.worker.models.layers import (Linear, RMSNorm, RotaryEmbedding, fill as _fill,
+                                            linear_sources,
+                                            rope_attention_factor, rope_inv_freq)
 from tierserve.kernels.context import get_forward_context
 
 
@@ -201,15 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:
         """Each linear layer with the checkpoint tensors it fuses (quantization packs those)."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            out += [(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
-                    (attn.o_proj, [p + "self_attn.o_proj.weight"]),
-                    (mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    (mlp.down_proj, [p + "mlp.down_proj.weight"])]
-        return out
+        return linear_sources(self.layers)
 
     def use_bf16_prefill(self, min_rows: int) -> None:
         """Batches of at least min_rows tokens (prefill chunks) run the decoder layers' linears
@@ -284,22 +277,6 @@ class LlamaForCausalLM(nn.Module):
             return self.ops.decode_forward(*args, **quant)
         return self.ops.decode_forward_sparse(*args, sp.summaries, sp.topk, sp.dense_layers,
                                               sp.selected, sp.stats, **quant)
-
-
-def _fill(dst: torch.Tensor, weights: Mapping[str, torch.Tensor], names: list[str],
-          skip: frozenset[str] = frozenset()) -> None:
-    """Copy the named tensors into consecutive rows of `dst` (converting device and dtype as
-    copy_ does), reading each once; no fused host copy is made. Nothing if all are in `skip`."""
-    if all(n in skip for n in names):
-        return
-    at = 0
-    with torch.no_grad():
-        for name in names:
-            t = weights[name]
-            dst[at:at + t.shape[0]].copy_(t)
-            at += t.shape[0]
-    if at != dst.shape[0]:
-        raise ValueError(f"{names}: {at} rows for a parameter of {dst.shape[0]}")
 
 
 def _stack_weight(lin: Linear) -> torch.Tensor | None:
