@@ -17,9 +17,11 @@ nearest-even, so an fp16 cache gives what an fp32 cache holding the same rounded
 half the bytes (decode attention reads every context token's K/V on every step: at batch 64 and
 context 256 that is 754 MB in fp32).
 
-Sliding-window layers (Gemma 3's) run through the torch SDPA path this class inherits, with the
-window in its masks: the native kernels take no window bounds yet. A step's SDPA metadata is built
-on the first windowed layer that asks and shared by the rest; the whole-context layers stay native.
+Sliding-window layers (Gemma 3's): a step of decodes only runs the native decode kernel with the
+window's bounds (it reads only the blocks the window reaches); a step with prefill chunks runs
+them through the torch SDPA path this class inherits, with the window in its masks (the native
+prefill kernel takes no window). That step's SDPA metadata is built on the first windowed layer
+that asks and shared by the rest; the whole-context layers stay native.
 """
 
 from __future__ import annotations
@@ -115,11 +117,13 @@ class CpuNativeBackend(TorchSdpaBackend):
     def forward(self, q, k, v, kv_cache, meta, window: int | None = None):
         if not isinstance(meta, NativeMeta):
             return super().forward(q, k, v, kv_cache, meta, window)
+        d, p = meta.decode, meta.prefill
+        if window is not None and p is None:  # decodes only: the native kernel's window bounds
+            return self._native_decode(q, kv_cache, d, window)
         if window is not None:
             if meta.sdpa is None:
                 meta.sdpa = super().build_metadata(meta.layout)
             return super().forward(q, k, v, kv_cache, meta.sdpa, window)
-        d, p = meta.decode, meta.prefill
         if p is None:
             return self._native_decode(q, kv_cache, d)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
@@ -155,7 +159,7 @@ class CpuNativeBackend(TorchSdpaBackend):
         return NativeDecodeMeta(b, layout.block_size, layout.block_tables[:b].contiguous(),
                                 torch.tensor(layout.context_lens[:b], dtype=torch.long))
 
-    def _native_decode(self, q, kv_cache, m: NativeDecodeMeta):
+    def _native_decode(self, q, kv_cache, m: NativeDecodeMeta, window: int | None = None):
         out = self.ext.paged_decode(q[:m.batch], kv_cache, m.block_tables, m.context_lens,
-                                    m.block_size, self.scale)
+                                    m.block_size, self.scale, window or 0)
         return out.view(m.batch, -1)

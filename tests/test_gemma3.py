@@ -15,6 +15,7 @@ import gemma3_fixtures as gf
 from tierserve.engine import LLM, SamplingParams
 from tierserve.engine.worker.loaders import load_model_source
 from tierserve.kernels.base import BatchLayout
+from tierserve.kernels.native import load_extension
 from tierserve.kernels.router import RouteQuery, route
 from tierserve.kernels.torch_ref import TorchRefBackend
 from tierserve.kernels.torch_sdpa import TorchSdpaBackend
@@ -164,6 +165,40 @@ def test_sdpa_window_matches_the_reference():
         got = _attend(TorchSdpaBackend, layout, cache, q, shape, window)
         want = _attend(TorchRefBackend, layout, cache, q, shape, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hd", [(4, 1, 256), (6, 2, 64)])  # the generic kernel, a compiled one
+def test_native_decode_takes_the_window_bounds(hd):
+    """cpu_native's decode kernel with a window (a decode-only step: windowed layers read only
+    the blocks their window reaches) against the reference, at windows inside one block, across
+    blocks and wider than every context; contexts 1 to 45 (some shorter than the window)."""
+    from tierserve.kernels.cpu_native import CpuNativeBackend
+
+    if load_extension() is None:
+        pytest.skip("the native extension is not built")
+    h, hkv, d = hd
+    g = torch.Generator().manual_seed(h)
+    ctxs, bs = [45, 1, 17, 33, 8], 16
+    tables = torch.zeros(len(ctxs), 3, dtype=torch.long)
+    nxt = 0
+    for s, ctx in enumerate(ctxs):
+        n = -(-ctx // bs)
+        tables[s, :n] = torch.randperm(8, generator=g)[:n] + nxt
+        nxt += 8
+    slots = torch.stack([tables[s, (c - 1) // bs] * bs + (c - 1) % bs for s, c in enumerate(ctxs)])
+    layout = BatchLayout(len(ctxs), [1] * len(ctxs), ctxs, list(range(len(ctxs) + 1)), tables,
+                         slots, bs)
+    cache = torch.randn(2, hkv, nxt * bs, d, generator=g)
+    q = torch.randn(len(ctxs), h, d, generator=g)
+    k, v = (cache[i][:, slots].transpose(0, 1) for i in (0, 1))
+    for dtype in (torch.float32, torch.float16):
+        c = cache.to(dtype)
+        native = CpuNativeBackend(h, hkv, d, d ** -0.5, kv_dtype=dtype)
+        ref = TorchRefBackend(h, hkv, d, d ** -0.5)
+        for window in (3, 16, 20, 64, None):
+            got = native.forward(q, k, v, c, native.build_metadata(layout), window)
+            want = ref.forward(q, k, v, c.float(), ref.build_metadata(layout), window)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ---- what a windowed model refuses -------------------------------------------------------------

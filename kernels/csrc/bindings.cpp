@@ -43,10 +43,13 @@ void def_decode_stack(py::module_& m, const char* name, const char* doc) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, fp32)", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_prefill_supported", &paged_prefill_supported, "head dim and block size fit");
   m.def("paged_prefill_", &paged_prefill_, "causal prefill attention over the paged cache (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * w, in place");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * w over the last dim, out of place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rope_store_kv_", &rope_store_kv_, "RoPE on q/k in place, k/v stored at their slots");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> 16-column panels");

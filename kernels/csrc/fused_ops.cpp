@@ -52,6 +52,32 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
   });
 }
 
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "fp32 only");
+  const int64_t N = weight.numel();
+  TORCH_CHECK(N > 0 && x.size(-1) == N, "x's last dim must be the weight's ", N);
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty(x.sizes(), x.options());
+  const int64_t M = x.numel() / N;
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  ts::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // add_rms_norm_'s steps, without the add
+      const float* xr = xp + i * N;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < N; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) op[i * N + j] = w[j] * (xr[j] * inv);
+    }
+  });
+  return out;
+}
+
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)

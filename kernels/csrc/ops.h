@@ -112,9 +112,11 @@ inline std::vector<int64_t> balanced_cuts(const std::vector<int64_t>& cost, int6
   return cut;
 }
 
-// Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] (fp32 or fp16) -> [B, H, D].
+// Paged decode attention, fp32: q [B, H, D], kv_cache [2, Hkv, S, D] (fp32 or fp16) -> [B, H, D];
+// window > 0: each sequence attends only its last `window` tokens (a sliding-window layer's).
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                           at::Tensor context_lens, int64_t block_size, double scale);
+                           at::Tensor context_lens, int64_t block_size, double scale,
+                           int64_t window = 0);
 
 // Sparse (Quest top-k block) paged decode (sparse_decode.cpp): per (sequence, KV head), the
 // first and newest blocks plus the topk - 2 others whose key summary bounds q.k highest, summed
@@ -142,6 +144,8 @@ void paged_prefill_(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
 
 // residual += x; x = rms_norm(residual) * weight (rows of x, both [M, N], in place).
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+// rms_norm(x) * w over x's last dim (add_rms_norm_'s steps without the residual), a new tensor.
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 
 // [M, 2N] (gate | up) -> silu(gate) * up [M, N]; fp32, or bf16 (computed in fp32, rounded once).
 at::Tensor silu_and_mul(at::Tensor gate_up);

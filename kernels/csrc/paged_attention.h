@@ -84,7 +84,13 @@ struct Attn {
   float* out;
   int64_t H, Hkv, S, D, G, max_blocks, block_size, q_row;
   float scale;
+  int64_t window = 0;  // > 0: each sequence attends only its last `window` tokens (Gemma 3)
 };
+
+// The first context position a sequence of n tokens attends.
+inline int64_t first_attended(const Attn& a, int64_t n) {
+  return a.window > 0 && n > a.window ? n - a.window : 0;
+}
 
 // q as the kernels read it: heads and dims contiguous, rows any stride apart, so a view into the
 // fused qkv rows is read in place (copied only where its heads are strided).
@@ -116,16 +122,16 @@ inline Attn make_attn(const at::Tensor& q, const at::Tensor& kv_cache,
   return a;
 }
 
-// The logical blocks a task attends, in order: every block of the sequence (AllBlocks, no list in
-// memory) or a selected few (Blocks).
-struct AllBlocks {
-  int64_t count;
-  int64_t operator[](int64_t j) const { return j; }
-};
+// The logical blocks a task attends, in order: a run of the sequence's blocks (FromBlock, no list
+// in memory: all of them, or those a sliding window reaches) or a selected few (Blocks).
 struct Blocks {
   const int32_t* sel;
   int64_t count;
   int64_t operator[](int64_t j) const { return sel[j]; }
+};
+struct FromBlock {  // blocks first, first + 1, ..., count of them
+  int64_t first, count;
+  int64_t operator[](int64_t j) const { return first + j; }
 };
 
 constexpr int64_t kAhead = 2;  // blocks prefetched ahead (1: too late; 4: no better)
@@ -163,13 +169,15 @@ TS_INLINE void block_scores(const float (&q)[G][D], const float* kb, int64_t m,
 }
 
 // Online softmax over the block: each head's running max (mx) and sum, and its accumulator
-// rescaled when the max grows; s becomes the block's weights, 0 past row m. The loops run the
-// full block width (a short block padded with score -inf), so they vectorize.
+// rescaled when the max grows; s becomes the block's weights, 0 past row m and before row skip
+// (a window's start). The loops run the full block width (a short block padded with score -inf),
+// so they vectorize.
 template <int G, int D, int BS>
-TS_INLINE void block_softmax(float (&s)[G][BS], int64_t m, float (&mx)[G], float (&sum)[G],
-                             float (&acc)[G][D]) {
+TS_INLINE void block_softmax(float (&s)[G][BS], int64_t m, int64_t skip, float (&mx)[G],
+                             float (&sum)[G], float (&acc)[G][D]) {
   for (int g = 0; g < G; ++g) {
     for (int64_t t = m; t < BS; ++t) s[g][t] = -INFINITY;
+    for (int64_t t = 0; t < skip; ++t) s[g][t] = -INFINITY;
     float bm = mx[g];
 #pragma omp simd reduction(max : bm)
     for (int t = 0; t < BS; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
@@ -183,6 +191,7 @@ TS_INLINE void block_softmax(float (&s)[G][BS], int64_t m, float (&mx)[G], float
 #pragma omp simd
     for (int t = 0; t < BS; ++t) s[g][t] = fast_exp(s[g][t] - bm);
     for (int64_t t = m; t < BS; ++t) s[g][t] = 0.f;
+    for (int64_t t = 0; t < skip; ++t) s[g][t] = 0.f;
     float bsum = 0.f;
 #pragma omp simd reduction(+ : bsum)
     for (int t = 0; t < BS; ++t) bsum += s[g][t];
@@ -218,7 +227,7 @@ TS_INLINE void block_values(const float (&s)[G][BS], const float* vb, int64_t m,
 template <typename T, int G, int D, int BS, typename List>
 void attend_fixed(const Attn& a, int64_t b, int64_t h, List sel, std::vector<float>&) {
   constexpr bool kWiden = !std::is_same_v<T, float>;
-  const int64_t n = a.lens[b], count = sel.count;
+  const int64_t n = a.lens[b], count = sel.count, first = first_attended(a, n);
   const int64_t* table = a.tables + b * a.max_blocks;
   const T* kh = static_cast<const T*>(a.k) + h * a.S * D;
   const T* vh = static_cast<const T*>(a.v) + h * a.S * D;
@@ -239,7 +248,7 @@ void attend_fixed(const Attn& a, int64_t b, int64_t h, List sel, std::vector<flo
     const float* kb = kv_row(kh + blk * BS * D, kbuf, m * D);
     const float* vb = kv_row(vh + blk * BS * D, vbuf, m * D);
     block_scores<G, D, BS>(q, kb, m, s);
-    block_softmax<G, D, BS>(s, m, mx, sum, acc);
+    block_softmax<G, D, BS>(s, m, std::max<int64_t>(0, first - sel[j] * BS), mx, sum, acc);
     block_values<T, G, D, BS>(s, vb, m, kn, vn, acc);
   }
   for (int g = 0; g < G; ++g) {
@@ -254,13 +263,15 @@ void attend_fixed(const Attn& a, int64_t b, int64_t h, List sel, std::vector<flo
 template <typename T, typename List>
 void attend_generic(const Attn& a, int64_t b, int64_t h, List sel, std::vector<float>& scores) {
   const int64_t n = a.lens[b], bs = a.block_size, G = a.G, D = a.D;
+  const int64_t first = first_attended(a, n);
   const int64_t* table = a.tables + b * a.max_blocks;
   const float* qg = a.q + b * a.q_row + h * G * D;
   float* og = a.out + (b * a.H + h * G) * D;
   const T* kc = static_cast<const T*>(a.k) + h * a.S * D;
   const T* vc = static_cast<const T*>(a.v) + h * a.S * D;
-  int64_t ntok = 0;
-  for (int64_t j = 0; j < sel.count; ++j) ntok += std::min<int64_t>(bs, n - sel[j] * bs);
+  int64_t ntok = 0;  // tokens attended: a block's rows from `first` on
+  for (int64_t j = 0; j < sel.count; ++j)
+    ntok += std::min<int64_t>(bs, n - sel[j] * bs) - std::clamp<int64_t>(first - sel[j] * bs, 0, bs);
   scores.resize(G * ntok + D);
   float* s = scores.data();
   float* row = s + G * ntok;
@@ -268,7 +279,8 @@ void attend_generic(const Attn& a, int64_t b, int64_t h, List sel, std::vector<f
   auto each_row = [&](auto&& fn) {
     for (int64_t j = 0, t = 0; j < sel.count; ++j) {
       const int64_t m = std::min<int64_t>(bs, n - sel[j] * bs);
-      for (int64_t o = 0; o < m; ++o, ++t) fn(t, (table[sel[j]] * bs + o) * D);
+      for (int64_t o = std::clamp<int64_t>(first - sel[j] * bs, 0, bs); o < m; ++o, ++t)
+        fn(t, (table[sel[j]] * bs + o) * D);
     }
   };
   each_row([&](int64_t t, int64_t off) {

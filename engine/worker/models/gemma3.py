@@ -43,17 +43,29 @@ class GemmaRMSNorm(RMSNorm):
     """x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 and rounded once (HF's Gemma3RMSNorm);
     with a residual stream, llama.py's fused form (residual += x, then the norm)."""
 
+    _scale: torch.Tensor | None = None
+    """1 + w in fp32 (HF computes it per call; the same bits), made on first use after the
+    weights loaded (Gemma3ForCausalLM.load_weights clears it)."""
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         if self.ops is not None:
-            self.ops.add_rms_norm_(x, residual, 1.0 + self.weight, self.eps)
+            self.ops.add_rms_norm_(x, residual, self.scale, self.eps)
             return x, residual
         residual = residual + x
         return self._norm(residual), residual
 
+    @property
+    def scale(self) -> torch.Tensor:
+        if self._scale is None or self._scale.device != self.weight.device:
+            self._scale = 1.0 + self.weight.float()
+        return self._scale
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.weight.float()
+        scale = self.scale
+        if x.dtype == torch.float32 and self.ops is not None:  # add_rms_norm_'s steps
+            return self.ops.rms_norm(x, scale, self.eps)
         if x.dtype == torch.float32:  # one fused op, HF's bits (layers.RMSNorm)
             return F.rms_norm(x, self.weight.shape, scale, self.eps)
         xf = x.float()
@@ -175,6 +187,9 @@ class Gemma3ForCausalLM(nn.Module):
         tied = self.config.tie_word_embeddings or "lm_head.weight" not in weights
         fill(self.lm_head.weight, weights,
              ["model.embed_tokens.weight" if tied else "lm_head.weight"], skip)
+        for m in self.modules():  # the norms' 1 + w follow the new weights
+            if isinstance(m, GemmaRMSNorm):
+                m._scale = None
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:
         """Each linear layer with the checkpoint tensors it fuses (quantization packs those)."""
