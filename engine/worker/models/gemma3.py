@@ -85,14 +85,26 @@ class Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rope = rope
 
+    ops = None
+    """The native extension on CPU fp32 (set by use_native_ops): q and k are normed in place in
+    the projection's rows, then rope_store_kv_ rotates them and stores K/V in one pass (llama.py's
+    fused path, after the norms)."""
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer]
-        qkv = self.qkv_proj(x).view(x.shape[0], self.h + 2 * self.hkv, self.d)
+        flat = self.qkv_proj(x)
+        qkv = flat.view(x.shape[0], self.h + 2 * self.hkv, self.d)
         q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
-        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)     # [T, H + Hkv, D]
-        q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
-        ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
+        if self.ops is not None and ctx.backend.plain_kv_store(cache):
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+            self.ops.rope_store_kv_(flat, positions, self.rope.cos, self.rope.sin, cache,
+                                    ctx.slot_mapping, self.h, self.hkv)
+        else:
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [T, H + Hkv, D]
+            q, k = self.rope(positions, qk).split([self.h, self.hkv], dim=1)
+            ctx.backend.write_kv(k, v, cache, ctx.slot_mapping)
         return self.o_proj(ctx.backend.forward(q, k, v, cache, ctx.metadata, self.window))
 
 
@@ -204,12 +216,12 @@ class Gemma3ForCausalLM(nn.Module):
                     lin.bf16_min_rows = min_rows
 
     def use_native_ops(self, ops, batch_hint: int = 64) -> None:
-        """The linears and the fused add+norm through the native extension (CPU, fp32), or back
-        to torch (None); the linear weights are packed again for the new path. Every step runs
-        layer by layer (no one-call decode stack for this family)."""
+        """The linears, the norms and the fused rope + K/V store through the native extension
+        (CPU, fp32), or back to torch (None); the linear weights are packed again for the new
+        path. Every step runs layer by layer (no one-call decode stack for this family yet)."""
         self.ops = ops
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Linear)):
+            if isinstance(m, (RMSNorm, Attention, Linear)):
                 m.ops = ops
             if isinstance(m, Linear):
                 m.pack(batch_hint)
