@@ -3,6 +3,8 @@ built and installed into a fresh venv once per session (test_packaging, test_doc
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.metadata as md
 import os
 import subprocess
@@ -52,6 +54,24 @@ def corpus_ids(llm) -> list[int]:
 def varied_prompts(corpus_ids) -> list[list[int]]:
     """16 token-id prompts of 1 to 1,500 tokens, each from a different offset of the corpus."""
     return [corpus_ids[37 * i: 37 * i + n] for i, n in enumerate(PROMPT_LENS)]
+
+
+@contextlib.contextmanager
+def recorded_gguf_parse():
+    """Inside: transformers' GGUF parses (load_gguf_checkpoint) run as usual, and the config each
+    gave is appended to the list this yields (a slow parse paid once, checked by the caller)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    seen, parse = [], gguf_utils.load_gguf_checkpoint
+
+    def recorded(*args, **kwargs):
+        out = parse(*args, **kwargs)
+        seen.append(out["config"])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", recorded)
+        yield seen
 
 
 def hf_config(fields: dict):

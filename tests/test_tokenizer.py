@@ -65,17 +65,10 @@ def ours() -> TextTokenizer:
 def hf_parse():
     """transformers' tokenizer from the GGUF, and the configs its GGUF parser gave on the way
     (recorded, not replaced: the slow parse is paid once here and checked below)."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from conftest import recorded_gguf_parse
 
-    path, seen, parse = load_model_source("smollm2-135m").path, [], gguf_utils.load_gguf_checkpoint
-
-    def recorded(*args, **kwargs):
-        out = parse(*args, **kwargs)
-        seen.append(out["config"])
-        return out
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_utils, "load_gguf_checkpoint", recorded)
+    path = load_model_source("smollm2-135m").path
+    with recorded_gguf_parse() as seen:
         tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                          gguf_file=os.path.basename(path))
     return tok, seen, path
