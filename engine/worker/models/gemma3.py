@@ -41,20 +41,12 @@ ACTIVATIONS = {"gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"
 
 class GemmaRMSNorm(RMSNorm):
     """x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 and rounded once (HF's Gemma3RMSNorm);
-    with a residual stream, llama.py's fused form (residual += x, then the norm)."""
+    with a residual stream, RMSNorm's fused form (residual += x, then the norm) with 1 + w as
+    its scale."""
 
     _scale: torch.Tensor | None = None
     """1 + w in fp32 (HF computes it per call; the same bits), made on first use after the
     weights loaded (Gemma3ForCausalLM.load_weights clears it)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        if self.ops is not None:
-            self.ops.add_rms_norm_(x, residual, self.scale, self.eps)
-            return x, residual
-        residual = residual + x
-        return self._norm(residual), residual
 
     @property
     def scale(self) -> torch.Tensor:

@@ -140,11 +140,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
+    @property
+    def scale(self) -> torch.Tensor:
+        """What the normed x is multiplied by: w (Gemma's subclass: 1 + w)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         if self.ops is not None:
-            self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            self.ops.add_rms_norm_(x, residual, self.scale, self.eps)
             return x, residual
         residual = residual + x
         return self._norm(residual), residual
@@ -152,7 +157,7 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; in fp32 it is bit-identical to HF's x * rsqrt(mean(x^2) + eps) * w.
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
